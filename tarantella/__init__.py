@@ -1,0 +1,34 @@
+"""Tarantella: data-parallel training of Keras 3 models over MPI.
+
+`import tarantella as tnt` makes this process one rank of the job (or the only one).
+"""
+
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+__version__ = "0.10.0"
+
+
+def _started_as_launcher():
+    """True in the `tarantella` command itself, which starts ranks but is not one."""
+    if os.path.basename(sys.argv[0] if sys.argv else "") == "tarantella":
+        return True
+    argv = getattr(sys, "orig_argv", [])
+    return "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] in (
+        ["tarantella"], ["tarantella.launcher"])
+
+
+if not _started_as_launcher():
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        raise ImportError(f"tarantella needs Keras' TensorFlow backend, but Keras runs on "
+                          f"{keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing keras.")
+
+    from tarantella.communication import (CollectiveTimeoutError, get_master_rank, get_rank, get_size,
+                                          init, is_master_rank)
+    from tarantella.model import Model, ParallelStrategy
+
+    init()

@@ -1,0 +1,66 @@
+"""Settings read from the environment (the launcher sets them; users may too)."""
+
+import os
+
+DEFAULT_FUSION_THRESHOLD_KB = 32
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+DEFAULT_SHUFFLE_SEED = 42
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+def _flag(name):
+    value = os.environ.get(name, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={os.environ[name]!r} is not a boolean; use {name}=true or {name}=false.")
+
+
+def _number(name, default, minimum, unit):
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(
+            f"{name}={raw!r} is not a number of {unit}; set it to a number >= {minimum:g}, "
+            f"e.g. {name}={default:g}.") from None
+    if value < minimum:
+        raise ValueError(f"{name}={raw!r} must be >= {minimum:g} {unit}.")
+    return value
+
+
+def fusion_threshold_bytes():
+    """Minimum size of one fused gradient allreduce; 0 sends every gradient on its own."""
+    kilobytes = _number("TNT_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD_KB, 0, "kilobytes")
+    return int(kilobytes * 1024)
+
+
+def collective_timeout_s():
+    """How long a rank waits for the others in one collective before it gives up."""
+    return _number("TNT_COLLECTIVE_TIMEOUT", DEFAULT_COLLECTIVE_TIMEOUT_S, 1, "seconds")
+
+
+def threads_per_rank():
+    """TensorFlow threads per rank; None picks cores-per-node divided by ranks-per-node."""
+    value = _number("TNT_THREADS_PER_RANK", 0, 0, "threads")
+    return int(value) or None
+
+
+def output_on_all_devices():
+    return _flag("TNT_OUTPUT_ON_ALL_DEVICES")
+
+
+def log_on_all_devices():
+    return _flag("TNT_LOG_ON_ALL_DEVICES")
+
+
+def log_level():
+    level = os.environ.get("TNT_LOG_LEVEL", "WARNING").strip().upper()
+    if level not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+        raise ValueError(f"TNT_LOG_LEVEL={level!r} is not one of DEBUG, INFO, WARNING, ERROR.")
+    return level
