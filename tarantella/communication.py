@@ -243,18 +243,23 @@ def _configure_logging(rank):
 def _configure_tensorflow(local_rank, local_size):
     """Gives each rank its share of the node: one GPU if there are enough, else CPU threads."""
     import tensorflow as tf
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus and local_size <= len(gpus):
-        gpu = gpus[local_rank]
-        tf.config.set_visible_devices([gpu], "GPU")
-        tf.config.experimental.set_memory_growth(gpu, True)
     threads = config.threads_per_rank()
     if threads is None and local_size > 1:
         # Measured on 2 cores: one thread per rank beats TensorFlow's defaults by 25%.
         threads = max(1, len(os.sched_getaffinity(0)) // local_size)
-    if threads:
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
-        tf.config.threading.set_inter_op_parallelism_threads(threads)
+    try:
+        gpus = tf.config.list_physical_devices("GPU")
+        if gpus and local_size <= len(gpus):
+            gpu = gpus[local_rank]
+            tf.config.set_visible_devices([gpu], "GPU")
+            tf.config.experimental.set_memory_growth(gpu, True)
+        if threads:
+            tf.config.threading.set_intra_op_parallelism_threads(threads)
+            tf.config.threading.set_inter_op_parallelism_threads(threads)
+    except RuntimeError:  # TensorFlow started before tarantella was imported
+        logger.warning("TensorFlow was already running when tarantella was imported, so this rank keeps "
+                       "TensorFlow's default devices and threads and may compete with %d other rank(s) on "
+                       "this node. Import tarantella before using TensorFlow.", local_size - 1)
 
 
 def _stop_all_ranks_on_uncaught_error(rank):

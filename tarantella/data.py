@@ -54,6 +54,8 @@ def distribute(dataset, rank, size):
                 "The global batch size (%d) is smaller than the number of ranks (%d): ranks %d to %d "
                 "get no samples and idle. Use a global batch of at least %d.",
                 global_batch, size, global_batch, size - 1, size)
+    if size == 1:  # only the shuffle seeds change, so one rank sees what N ranks see together
+        return _rebuild(dataset, chain, [], rank, size)
     split = _splittable_maps(chain, batch_index)
     distributed = _rebuild(dataset, chain, split, rank, size)
     if dataset.options().deterministic is False:

@@ -133,9 +133,9 @@ class Model(keras.Model):
         if validation_data is not None:
             _check_dataset_input("fit (validation_data)", validation_data,
                                  batch_size=validation_batch_size)
+        x = self._distribute(x)
+        validation_data = None if validation_data is None else self._distribute(validation_data)
         if self._distributed:
-            x = self._distribute(x)
-            validation_data = None if validation_data is None else self._distribute(validation_data)
             self._prepare(x.element_spec, compiled_state=True)
         with self._keras_output_on_master_only():
             history = super().fit(
@@ -156,8 +156,8 @@ class Model(keras.Model):
                                     callbacks=callbacks, return_dict=return_dict, **kwargs)
         self._check_compiled("evaluate")
         _check_dataset_input("evaluate", x, y=y, batch_size=batch_size, sample_weight=sample_weight)
+        x = self._distribute(x)
         if self._distributed:
-            x = self._distribute(x)
             self._prepare(x.element_spec, compiled_state=True)
         with self._keras_output_on_master_only():
             return super().evaluate(x, verbose=verbose, steps=steps, callbacks=callbacks,
@@ -165,8 +165,8 @@ class Model(keras.Model):
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         _check_dataset_input("predict", x, batch_size=batch_size)
+        x = self._distribute(x)
         if self._distributed:
-            x = self._distribute(x)
             self._prepare(x.element_spec, compiled_state=False)
         with self._keras_output_on_master_only():
             return super().predict(x, verbose=verbose, steps=steps, callbacks=callbacks)
