@@ -11,6 +11,7 @@ import os
 import queue
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from tarantella import config
 logger = logging.getLogger("tarantella")
 
 MASTER_RANK = 0
+_ABORT_GRACE_S = 1.0
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -270,6 +272,7 @@ def _stop_all_ranks_on_uncaught_error(rank):
         previous_hook(exc_type, exc, tb)
         sys.stderr.write(f"tarantella: rank {rank} failed with {exc_type.__name__}; stopping all ranks.\n")
         sys.stderr.flush()
+        time.sleep(_ABORT_GRACE_S)  # ranks failing on the same bad input get to print their error too
         from mpi4py import MPI
         MPI.COMM_WORLD.Abort(1)
 

@@ -346,11 +346,12 @@ def _check_same_variables_everywhere(comm, variables):
     differing = [rank for rank, other in enumerate(layouts) if other != master]
     if not differing:
         return
-    mine = layouts[comm.rank]
-    first = next((i for i, (a, b) in enumerate(zip(mine, master)) if a != b), min(len(mine), len(master)))
-    detail = (f"rank {comm.rank} has {len(mine)} variables, the master {len(master)}"
-              if first == min(len(mine), len(master)) else
-              f"variable #{first} is {mine[first]} on rank {comm.rank} but {master[first]} on the master")
+    culprit = differing[0]
+    theirs = layouts[culprit]
+    common = min(len(theirs), len(master))
+    first = next((i for i in range(common) if theirs[i] != master[i]), common)
+    detail = (f"rank {culprit} has {len(theirs)} variables, the master {len(master)}" if first == common else
+              f"variable #{first} is {theirs[first]} on rank {culprit} but {master[first]} on the master")
     raise ValueError(
         f"The model differs between ranks (ranks {differing} differ from the master): {detail}. "
         "Every rank must build the same model and optimizer, in the same order.")

@@ -1,0 +1,129 @@
+"""Small programs run under the launcher by the tests; `scenarios.py NAME` runs one."""
+
+import os
+import signal
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import tarantella as tnt  # noqa: E402  (first, as users should)
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+
+def small_model(units=4):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,))
+    return keras.Model(inputs, keras.layers.Dense(units, activation="softmax")(keras.layers.Dense(units)(inputs)))
+
+
+def dataset(samples=64, batch=16):
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(samples, 6)).astype("float32"), rng.integers(0, 4, samples)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+
+
+def compiled(model=None, **compile_args):
+    model = tnt.Model(model or small_model())
+    model.compile(compile_args.pop("optimizer", "sgd"), "sparse_categorical_crossentropy",
+                  metrics=["accuracy"], **compile_args)
+    return model
+
+
+def report(message):
+    print(f"rank {tnt.get_rank()}: {message}", flush=True)
+
+
+def identity():
+    report(f"size {tnt.get_size()} master {tnt.get_master_rank()} is_master {tnt.is_master_rank()}")
+    for name in sys.argv[2:]:
+        report(f"{name}={os.environ.get(name)}")
+
+
+def raise_on_rank_1():
+    if tnt.get_rank() == 1:
+        raise RuntimeError("deliberate failure on rank 1")
+    compiled().fit(dataset().repeat(), epochs=1, steps_per_epoch=10**6, verbose=0)
+
+
+class KillRank1(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 5 and tnt.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_rank_1_mid_epoch():
+    compiled().fit(dataset().repeat(), epochs=1, steps_per_epoch=10**6, verbose=0, callbacks=[KillRank1()])
+
+
+def different_models():
+    model = small_model(units=4 if tnt.get_rank() == 0 else 5)
+    compiled(model).fit(dataset(), epochs=1, verbose=0)
+
+
+def uneven_steps():
+    model = compiled()
+    model.fit(dataset(), epochs=1, verbose=0)
+    if tnt.get_rank() == 1:
+        model.evaluate(dataset(), verbose=0)  # the other rank never joins this
+    report("finished")
+
+
+def bad_inputs():
+    """Each mistake must raise the same clear error on every rank, with no collective started."""
+    model = tnt.Model(small_model())
+    attempts = {
+        "fit before compile": lambda: model.fit(dataset(), verbose=0),
+        "Ftrl": lambda: model.compile(keras.optimizers.Ftrl(), "mse"),
+    }
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            report(f"{name}: no error")
+        except Exception as error:
+            report(f"{name}: {type(error).__name__}: {error}")
+    model = compiled()
+    x, y = np.zeros((8, 6), np.float32), np.zeros(8)
+    attempts = {
+        "numpy input": lambda: model.fit(x, y, verbose=0),
+        "batch_size with dataset": lambda: model.fit(dataset(), batch_size=16, verbose=0),
+        "unbatched dataset": lambda: model.fit(dataset().unbatch(), verbose=0),
+    }
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            report(f"{name}: no error")
+        except Exception as error:
+            report(f"{name}: {type(error).__name__}: {error}")
+    history = model.fit(dataset(), epochs=1, verbose=0)  # the ranks still work together afterwards
+    report(f"loss after errors {history.history['loss'][0]:.6f}")
+
+
+def keras_output():
+    model = compiled()
+    model.summary()
+    model.fit(dataset(), epochs=2, verbose=2)
+    model.evaluate(dataset(), verbose=1)
+    print(f"plain print from rank {tnt.get_rank()}", flush=True)
+
+
+def xla_requested():
+    model = compiled(jit_compile=True)
+    history = model.fit(dataset(), epochs=1, verbose=0)
+    report(f"jit_compile {model.jit_compile} loss {history.history['loss'][0]:.6f}")
+
+
+SCENARIOS = {
+    "identity": identity,
+    "raise-on-rank-1": raise_on_rank_1,
+    "kill-rank-1-mid-epoch": kill_rank_1_mid_epoch,
+    "different-models": different_models,
+    "uneven-steps": uneven_steps,
+    "bad-inputs": bad_inputs,
+    "keras-output": keras_output,
+    "xla-requested": xla_requested,
+}
+
+if __name__ == "__main__":
+    SCENARIOS[sys.argv[1]]()
