@@ -51,6 +51,15 @@ def threads_per_rank():
     return int(value) or None
 
 
+def ring_allreduce():
+    """Large gradient buckets use tarantella's ring allreduce unless TNT_ALLREDUCE=mpi."""
+    choice = os.environ.get("TNT_ALLREDUCE", "ring").strip().lower()
+    if choice not in {"ring", "mpi"}:
+        raise ValueError(f"TNT_ALLREDUCE={choice!r} must be 'ring' (large buckets in a ring over "
+                         "MPI point-to-point) or 'mpi' (always MPI_Allreduce).")
+    return choice == "ring"
+
+
 def output_on_all_devices():
     return _flag("TNT_OUTPUT_ON_ALL_DEVICES")
 

@@ -32,6 +32,13 @@ def build_mlp(keras):
     return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
 
 
+def build_wide_mlp(keras):
+    # A 512x512 kernel is 1 MiB: its gradient bucket takes the ring allreduce.
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(512, activation="relu")(keras.layers.Dense(512, activation="relu")(inputs))
+    return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
+
+
 def build_lenet5(keras):
     layers = keras.layers
     return keras.Sequential([
@@ -67,7 +74,7 @@ def build_subclassed(keras):
     return TwoLayers()
 
 
-MODELS = {"mlp": build_mlp, "lenet5": build_lenet5, "tuple": build_tuple_input,
+MODELS = {"mlp": build_mlp, "wide-mlp": build_wide_mlp, "lenet5": build_lenet5, "tuple": build_tuple_input,
           "dict": build_dict_input, "subclassed": build_subclassed}
 
 
@@ -81,7 +88,7 @@ def make_data(np, tf, model_name, batch_size, mode, shuffle_seed, map_before_bat
     elif model_name == "dict":
         features = {"a": rng.normal(size=(SAMPLES, 8)).astype("float32"),
                     "b": rng.normal(size=(SAMPLES, 4)).astype("float32")}
-    else:
+    else:  # the MLPs
         features = rng.normal(size=(SAMPLES, 8)).astype("float32")
     dataset = tf.data.Dataset.from_tensor_slices((features, labels))
     if shuffle_seed == "default":
@@ -103,6 +110,7 @@ CASES.update({
     "tuple-adam": ("tuple", "adam", 64, 7, True),
     "dict-momentum": ("dict", "momentum", 64, 7, True),
     "subclassed-adam": ("subclassed", "adam", 64, 7, False),
+    "wide-mlp-adam": ("wide-mlp", "adam", 64, 7, True),
     "mlp-batch71": ("mlp", "momentum", 71, 7, True),
     "mlp-batch2": ("mlp", "sgd", 2, 7, False),
     "mlp-unseeded-shuffle": ("mlp", "adam", 64, "default", True),
