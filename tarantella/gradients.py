@@ -16,23 +16,28 @@ _WIRE_DTYPES = {tf.float32, tf.float64}
 
 
 def plan_buckets(sizes_in_bytes, dtypes, threshold_bytes):
-    """Groups consecutive tensors into buckets of at least `threshold_bytes`.
+    """Groups tensors into buckets of at least `threshold_bytes`, in the order they fill up.
 
-    A bucket holds one dtype only; the last bucket may be smaller than the threshold.
-    Returns lists of positions into the inputs. A threshold of 0 gives one bucket per tensor.
+    A tensor that alone reaches the threshold travels alone: fusing it would only add a
+    copy. Smaller tensors are fused, one dtype per bucket, until they reach the threshold;
+    the last bucket may stay smaller. Returns lists of positions into the inputs. A
+    threshold of 0 gives one bucket per tensor.
     """
-    buckets, current, current_bytes = [], [], 0
+    buckets, pending, pending_bytes = [], [], 0
     for position, (size, dtype) in enumerate(zip(sizes_in_bytes, dtypes)):
-        if current and dtype != dtypes[current[-1]]:
-            buckets.append(current)
-            current, current_bytes = [], 0
-        current.append(position)
-        current_bytes += size
-        if current_bytes >= threshold_bytes:
-            buckets.append(current)
-            current, current_bytes = [], 0
-    if current:
-        buckets.append(current)
+        if size >= threshold_bytes:
+            buckets.append([position])
+            continue
+        if pending and dtype != dtypes[pending[-1]]:
+            buckets.append(pending)
+            pending, pending_bytes = [], 0
+        pending.append(position)
+        pending_bytes += size
+        if pending_bytes >= threshold_bytes:
+            buckets.append(pending)
+            pending, pending_bytes = [], 0
+    if pending:
+        buckets.append(pending)
     return buckets
 
 
