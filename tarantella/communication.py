@@ -80,19 +80,13 @@ class Communicator:
         self.size = mpi_comm.Get_size()
         self.timeout_s = timeout_s
         self._jobs = queue.SimpleQueue()
-        self._worker = None
+        threading.Thread(target=self._work, name="tarantella-collectives", daemon=True).start()
         self._round = None
         self._round_lock = threading.Lock()
         self._scratch = np.empty(0, np.uint8)
-        self.steps_reduced = 0
+        self._steps_reduced = 0
 
     # -- the worker -------------------------------------------------------------
-
-    def _enqueue(self, job):
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._work, name="tarantella-collectives", daemon=True)
-            self._worker.start()
-        self._jobs.put(job)
 
     def _work(self):
         while True:
@@ -117,7 +111,7 @@ class Communicator:
             finally:
                 done.set()
 
-        self._enqueue(job)
+        self._jobs.put(job)
         if not done.wait(self.timeout_s):  # blocking releases the GIL, which the worker needs
             raise self._timeout_error(what)
         if "error" in outcome:
@@ -138,9 +132,6 @@ class Communicator:
     def broadcast_bytes(self, buffer, what, root=MASTER_RANK):
         """Overwrites the uint8 array `buffer` with the root's copy."""
         self.run(what, lambda comm: comm.Bcast(buffer, root=root))
-
-    def barrier(self, what):
-        self.run(what, lambda comm: comm.Barrier())
 
     def allgather_interleaved_rows(self, arrays, what):
         """Gathers row-split arrays back into global order.
@@ -175,7 +166,7 @@ class Communicator:
             if self._round is None:
                 self._round = _BucketRound(count)
                 step_round = self._round
-                self._enqueue(lambda: step_round.reduce_in_plan_order(self._allreduce_bucket))
+                self._jobs.put(lambda: step_round.reduce_in_plan_order(self._allreduce_bucket))
             step_round = self._round
         step_round.deposit(index, array)
 
@@ -207,9 +198,9 @@ class Communicator:
             step_round, self._round = self._round, None
         if not step_round.wait(self.timeout_s):
             raise self._timeout_error(
-                f"the gradient allreduce of step {self.steps_reduced + 1} "
+                f"the gradient allreduce of step {self._steps_reduced + 1} "
                 f"({step_round.reduced} of {len(step_round.arrays)} buckets done)")
-        self.steps_reduced += 1
+        self._steps_reduced += 1
         return step_round.arrays
 
 
@@ -217,7 +208,10 @@ _world = None
 
 
 def init():
-    """Starts MPI and configures this process as one rank. Safe to call again."""
+    """Starts MPI, configures this process as one rank and returns its communicator.
+
+    Safe to call again: later calls return the same communicator.
+    """
     global _world
     if _world is not None:
         return _world
@@ -229,16 +223,11 @@ def init():
     local_rank, local_size = node.Get_rank(), node.Get_size()
     node.Free()
     _world = Communicator(world.Dup(), config.collective_timeout_s(), ring_allreduce)
-    _world.local_rank, _world.local_size = local_rank, local_size
     _configure_logging(_world.rank)
     if _world.size > 1:
         _configure_tensorflow(local_rank, local_size)
         _stop_all_ranks_on_uncaught_error(_world.rank)
     return _world
-
-
-def world():
-    return init()
 
 
 def get_rank():

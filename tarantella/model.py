@@ -49,7 +49,7 @@ class Model(keras.Model):
                     "is not supported. Move it into layers, losses or metrics, or train serially.")
         super().__init__(name=model.name)
         self._keras_model = model
-        self._comm = communication.world()
+        self._comm = communication.init()
         self._distributed = self._comm.size > 1
         self._weights_synced = False
         self._gradient_allreduce = gradients.GradientAllreduce(self._comm, config.fusion_threshold_bytes())

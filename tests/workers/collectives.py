@@ -9,7 +9,7 @@ import numpy as np  # noqa: E402
 import tarantella as tnt  # noqa: E402
 from tarantella import communication  # noqa: E402
 
-comm = communication.world()
+comm = communication.init()
 # Bucket sizes around the ring threshold (1 MiB), odd lengths included.
 for length in [1, 5, 1000, 262143, 262144 + 7, 1_000_003]:
     for dtype in (np.float32, np.float64):

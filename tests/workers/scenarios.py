@@ -70,32 +70,29 @@ def uneven_steps():
     report("finished")
 
 
+def report_errors(attempts):
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            report(f"{name}: no error")
+        except Exception as error:
+            report(f"{name}: {type(error).__name__}: {error}")
+
+
 def bad_inputs():
     """Each mistake must raise the same clear error on every rank, with no collective started."""
     model = tnt.Model(small_model())
-    attempts = {
+    report_errors({
         "fit before compile": lambda: model.fit(dataset(), verbose=0),
         "Ftrl": lambda: model.compile(keras.optimizers.Ftrl(), "mse"),
-    }
-    for name, attempt in attempts.items():
-        try:
-            attempt()
-            report(f"{name}: no error")
-        except Exception as error:
-            report(f"{name}: {type(error).__name__}: {error}")
+    })
     model = compiled()
     x, y = np.zeros((8, 6), np.float32), np.zeros(8)
-    attempts = {
+    report_errors({
         "numpy input": lambda: model.fit(x, y, verbose=0),
         "batch_size with dataset": lambda: model.fit(dataset(), batch_size=16, verbose=0),
         "unbatched dataset": lambda: model.fit(dataset().unbatch(), verbose=0),
-    }
-    for name, attempt in attempts.items():
-        try:
-            attempt()
-            report(f"{name}: no error")
-        except Exception as error:
-            report(f"{name}: {type(error).__name__}: {error}")
+    })
     history = model.fit(dataset(), epochs=1, verbose=0)  # the ranks still work together afterwards
     report(f"loss after errors {history.history['loss'][0]:.6f}")
 
