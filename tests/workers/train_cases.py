@@ -103,7 +103,7 @@ def make_data(np, tf, model_name, batch_size, mode, shuffle_seed, map_before_bat
     return dataset.batch(batch_size).prefetch(2)
 
 
-# name: (model, optimizer, global batch size, shuffle seed, map before batch)
+# name: (model, optimizer, global batch size, shuffle seed, map before batch[, compile arguments])
 CASES = {f"mlp-{name}": ("mlp", name, 64, 7, True) for name in OPTIMIZERS}
 CASES.update({
     "lenet5-momentum": ("lenet5", "momentum", 64, 7, False),
@@ -114,6 +114,7 @@ CASES.update({
     "mlp-batch71": ("mlp", "momentum", 71, 7, True),
     "mlp-batch2": ("mlp", "sgd", 2, 7, False),
     "mlp-unseeded-shuffle": ("mlp", "adam", 64, "default", True),
+    "mlp-steps-per-execution": ("mlp", "nesterov", 16, 7, True, {"steps_per_execution": 3}),
 })
 
 
@@ -122,14 +123,14 @@ def run_case(name, mode, out_dir):
     import numpy as np
     import tensorflow as tf
 
-    model_name, optimizer_name, batch_size, shuffle_seed, map_before_batch = CASES[name]
+    model_name, optimizer_name, batch_size, shuffle_seed, map_before_batch, *compile_args = CASES[name]
     keras.utils.set_random_seed(11)
     model = MODELS[model_name](keras)
     if mode == "tnt":
         import tarantella as tnt
         model = tnt.Model(model)
     model.compile(OPTIMIZERS[optimizer_name](keras), "sparse_categorical_crossentropy",
-                  metrics=["sparse_categorical_accuracy"])
+                  metrics=["sparse_categorical_accuracy"], **(compile_args[0] if compile_args else {}))
     data = lambda: make_data(np, tf, model_name, batch_size, mode, shuffle_seed, map_before_batch)
     history = model.fit(data(), epochs=2, validation_data=data(), verbose=0)
     evaluation = model.evaluate(data(), verbose=0)
