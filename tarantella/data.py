@@ -47,13 +47,12 @@ def distribute(dataset, rank, size):
     chain = _rebuildable_chain(dataset)
     _check_seeds_outside(chain[0]._input_dataset if chain else dataset)
     batch_index = _global_batch_index(chain)
-    if batch_index is not None and tf.get_static_value(chain[batch_index]._batch_size) is not None:
-        global_batch = int(tf.get_static_value(chain[batch_index]._batch_size))
-        if global_batch < size:
-            logger.warning(
-                "The global batch size (%d) is smaller than the number of ranks (%d): ranks %d to %d "
-                "get no samples and idle. Use a global batch of at least %d.",
-                global_batch, size, global_batch, size - 1, size)
+    global_batch = _static_batch_size(chain, batch_index)
+    if global_batch is not None and global_batch < size:
+        logger.warning(
+            "The global batch size (%d) is smaller than the number of ranks (%d): ranks %d to %d "
+            "get no samples and idle. Use a global batch of at least %d.",
+            global_batch, size, global_batch, size - 1, size)
     if size == 1:  # only the shuffle seeds change, so one rank sees what N ranks see together
         return _rebuild(dataset, chain, [], rank, size)
     split = _splittable_maps(chain, batch_index)
@@ -63,16 +62,6 @@ def distribute(dataset, rank, size):
         options.deterministic = True
         distributed = distributed.with_options(options)
     return distributed.map(_rows_of_rank(dataset.element_spec, rank, size))
-
-
-def global_batch_size(dataset):
-    """The batch size the pipeline's last `batch` uses, or None if unknown."""
-    chain = _rebuildable_chain(dataset)
-    index = _global_batch_index(chain)
-    if index is None:
-        return None
-    value = tf.get_static_value(chain[index]._batch_size)
-    return None if value is None else int(value)
 
 
 def _check_batched(dataset):
@@ -103,11 +92,18 @@ def _global_batch_index(chain):
     return None
 
 
+def _static_batch_size(chain, batch_index):
+    """The global batch size, if the pipeline's last `batch` has a constant one."""
+    if batch_index is None:
+        return None
+    value = tf.get_static_value(chain[batch_index]._batch_size)
+    return None if value is None else int(value)
+
+
 def _splittable_maps(chain, batch_index):
     """Positions of the maps right below the global batch that may run on owned samples only."""
-    if batch_index is None or type(chain[batch_index]).__name__ == "_PaddedBatchDataset":
-        return []
-    if tf.get_static_value(chain[batch_index]._batch_size) is None:
+    if _static_batch_size(chain, batch_index) is None or \
+            type(chain[batch_index]).__name__ == "_PaddedBatchDataset":
         return []
     feeding_batch = chain[batch_index]._input_dataset.element_spec
     if not all(isinstance(spec, tf.TensorSpec) and spec.shape.is_fully_defined()
@@ -170,7 +166,7 @@ def _rebuild(dataset, chain, split, rank, size):
     index = first
     while index < len(chain):
         if split and index == split[0]:
-            batch_size = int(tf.get_static_value(chain[split[-1] + 1]._batch_size))
+            batch_size = _static_batch_size(chain, split[-1] + 1)
             rebuilt = _map_owned_samples(rebuilt, [chain[i] for i in split], batch_size, rank, size)
             index = split[-1] + 1
             continue
