@@ -143,15 +143,13 @@ class Model(keras.Model):
                 shuffle=shuffle, class_weight=class_weight, initial_epoch=initial_epoch,
                 steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
                 validation_freq=validation_freq)
-        if self._distributed and self.non_trainable_weights:
-            # Batch statistics (e.g. BatchNormalization) were gathered per rank: keep the master's.
-            _broadcast_from_master(self._comm, self.non_trainable_weights,
-                                   "the broadcast of non-trainable weights after fit")
+        self._use_masters_statistics()
         return history
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
                  callbacks=None, return_dict=False, **kwargs):
         if kwargs.get("_use_cached_eval_dataset"):  # validation inside fit: already distributed
+            self._use_masters_statistics()
             return super().evaluate(x, y, batch_size=batch_size, verbose=verbose, steps=steps,
                                     callbacks=callbacks, return_dict=return_dict, **kwargs)
         self._check_compiled("evaluate")
@@ -159,6 +157,7 @@ class Model(keras.Model):
         x = self._distribute(x)
         if self._distributed:
             self._prepare(x.element_spec, compiled_state=True)
+            self._use_masters_statistics()
         with self._keras_output_on_master_only():
             return super().evaluate(x, verbose=verbose, steps=steps, callbacks=callbacks,
                                     return_dict=return_dict, **kwargs)
@@ -168,6 +167,7 @@ class Model(keras.Model):
         x = self._distribute(x)
         if self._distributed:
             self._prepare(x.element_spec, compiled_state=False)
+            self._use_masters_statistics()
         with self._keras_output_on_master_only():
             return super().predict(x, verbose=verbose, steps=steps, callbacks=callbacks)
 
@@ -189,7 +189,7 @@ class Model(keras.Model):
                      if loss is not None]
             grads = tape.gradient([loss for loss, _ in terms], weights, output_gradients=[
                 self.optimizer.scale_loss(tf.cast(share, loss.dtype)) for loss, share in terms])
-            grads = self._gradient_allreduce(grads)
+            grads = self._gradient_allreduce(_zero_if_no_samples(grads, local.batch_size))
             self.optimizer.apply_gradients(zip(grads, weights))
         return self._record_global_metrics(step)
 
@@ -315,6 +315,14 @@ class Model(keras.Model):
         _broadcast_from_master(self._comm, variables, "the broadcast of the master's weights")
         self._weights_synced = True
 
+    def _use_masters_statistics(self):
+        """Non-trainable state (e.g. BatchNormalization's moving statistics) is gathered per
+        micro-batch; whenever the model is evaluated, and after training, every rank uses the
+        master's. The master always has samples: row 0 of every global batch is its own."""
+        if self._distributed and self.non_trainable_weights:
+            _broadcast_from_master(self._comm, self.non_trainable_weights,
+                                   "the broadcast of the master's non-trainable weights")
+
     @contextlib.contextmanager
     def _keras_output_on_master_only(self):
         if self._comm.rank == communication.MASTER_RANK or config.output_on_all_devices():
@@ -322,6 +330,17 @@ class Model(keras.Model):
             return
         with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
             yield
+
+
+def _zero_if_no_samples(grads, batch_size):
+    """An empty micro-batch must add nothing, but 0 * NaN is NaN: e.g. BatchNormalization's
+    mean of zero samples reaches gamma's gradient as NaN * sum(dy) = NaN * 0."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return grads
+    chosen = iter(tf.cond(batch_size > 0, lambda: [tf.identity(g) for g in present],
+                          lambda: [tf.zeros_like(g) for g in present]))
+    return [None if g is None else next(chosen) for g in grads]
 
 
 def _check_dataset_input(method, x, y=None, batch_size=None, sample_weight=None):

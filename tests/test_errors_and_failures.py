@@ -64,6 +64,14 @@ def test_a_fusion_threshold_that_is_not_a_number_is_refused():
     assert "TNT_FUSION_THRESHOLD='big' is not a number of kilobytes" in process.stderr
 
 
+def test_batchnorm_with_ranks_that_get_no_samples_stays_finite_and_identical():
+    process = launch(3, SCENARIOS, "batchnorm-empty-micro-batches", timeout=300)
+    assert_ok(process)
+    results = {line.split(": ", 1)[1] for line in process.stdout.splitlines() if line.startswith("rank ")}
+    assert len(results) == 1, f"ranks disagree: {results}"
+    assert "nan" not in results.pop().lower()
+
+
 def test_xla_with_several_ranks_warns_and_trains_without_it():
     process = launch(2, SCENARIOS, "xla-requested", timeout=300)
     assert_ok(process)

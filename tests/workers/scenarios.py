@@ -105,6 +105,20 @@ def keras_output():
     print(f"plain print from rank {tnt.get_rank()}", flush=True)
 
 
+def batchnorm_with_empty_micro_batches():
+    """Global batch 2 on 3 ranks: rank 2 never gets a sample."""
+    import hashlib
+    keras.utils.set_random_seed(2)
+    model = tnt.Model(keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
+                                        keras.layers.Dense(4, activation="softmax")]))
+    model.compile("sgd", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    history = model.fit(dataset(samples=20, batch=2), epochs=2, validation_data=dataset(samples=20, batch=2),
+                        verbose=0)
+    evaluation = model.evaluate(dataset(samples=20, batch=8), verbose=0)
+    weights = hashlib.md5(b"".join(w.tobytes() for w in model.get_weights())).hexdigest()
+    report(f"history {history.history} evaluation {evaluation} weights {weights}")
+
+
 def xla_requested():
     model = compiled(jit_compile=True)
     history = model.fit(dataset(), epochs=1, verbose=0)
@@ -119,6 +133,7 @@ SCENARIOS = {
     "uneven-steps": uneven_steps,
     "bad-inputs": bad_inputs,
     "keras-output": keras_output,
+    "batchnorm-empty-micro-batches": batchnorm_with_empty_micro_batches,
     "xla-requested": xla_requested,
 }
 
