@@ -32,7 +32,10 @@ def compiled(model=None, **compile_args):
 
 
 def report(message):
-    print(f"rank {tnt.get_rank()}: {message}", flush=True)
+    # One write per line: print() writes text and newline separately, and mpiexec merges the
+    # ranks' output, so another rank's line could land in between.
+    sys.stdout.write(f"rank {tnt.get_rank()}: {message}\n")
+    sys.stdout.flush()
 
 
 def identity():
