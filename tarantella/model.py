@@ -309,7 +309,7 @@ class Model(keras.Model):
         if self._weights_synced:
             return
         variables = list(self.weights)
-        if self.optimizer is not None and self.optimizer.built:
+        if self.compiled and self.optimizer is not None and self.optimizer.built:
             variables += list(self.optimizer.variables)
         _check_same_variables_everywhere(self._comm, variables)
         _broadcast_from_master(self._comm, variables, "the broadcast of the master's weights")

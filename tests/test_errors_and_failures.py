@@ -1,5 +1,6 @@
 """Bad input raises a clear error on every rank; a failing rank ends the whole job quickly."""
 
+import ast
 import time
 
 import pytest
@@ -70,6 +71,16 @@ def test_batchnorm_with_ranks_that_get_no_samples_stays_finite_and_identical():
     results = {line.split(": ", 1)[1] for line in process.stdout.splitlines() if line.startswith("rank ")}
     assert len(results) == 1, f"ranks disagree: {results}"
     assert "nan" not in results.pop().lower()
+
+
+def test_predict_of_an_uncompiled_model_returns_every_row_in_order_on_every_rank():
+    process = launch(3, SCENARIOS, "predict-uncompiled-dict-outputs", timeout=300)
+    assert_ok(process)
+    for rank in range(3):
+        line = next(l for l in process.stdout.splitlines() if l.startswith(f"rank {rank}: "))
+        assert "('a', (23, 2)), ('b', (23, 3))" in line
+        differences = ast.literal_eval(line.split("differences ")[1])
+        assert max(differences.values()) < 1e-6, line
 
 
 def test_xla_with_several_ranks_warns_and_trains_without_it():

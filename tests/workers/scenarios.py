@@ -122,6 +122,19 @@ def batchnorm_with_empty_micro_batches():
     report(f"history {history.history} evaluation {evaluation} weights {weights}")
 
 
+def predict_uncompiled_dict_outputs():
+    """x-only dataset, outputs in a dict, never compiled: compared with serial Keras predict."""
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(7, activation="relu")(inputs)
+    plain = keras.Model(inputs, {"a": keras.layers.Dense(2)(hidden), "b": keras.layers.Dense(3)(hidden)})
+    x = np.random.default_rng(0).normal(size=(23, 5)).astype("float32")
+    distributed = tnt.Model(plain).predict(tf.data.Dataset.from_tensor_slices(x).batch(4), verbose=0)
+    serial = plain.predict(x, batch_size=4, verbose=0)  # the wrapped model alone is serial Keras
+    differences = {key: float(np.abs(distributed[key] - serial[key]).max()) for key in serial}
+    report(f"shapes {sorted((k, v.shape) for k, v in distributed.items())} differences {differences}")
+
+
 def xla_requested():
     model = compiled(jit_compile=True)
     history = model.fit(dataset(), epochs=1, verbose=0)
@@ -137,6 +150,7 @@ SCENARIOS = {
     "bad-inputs": bad_inputs,
     "keras-output": keras_output,
     "batchnorm-empty-micro-batches": batchnorm_with_empty_micro_batches,
+    "predict-uncompiled-dict-outputs": predict_uncompiled_dict_outputs,
     "xla-requested": xla_requested,
 }
 
