@@ -55,6 +55,8 @@ class GradientAllreduce:
         plan = plan_buckets([_nbytes(dense[i]) for i in backprop_order],
                             [dense[i].dtype for i in backprop_order], self._threshold_bytes)
         buckets = [[backprop_order[k] for k in bucket] for bucket in plan]
+        if not buckets:
+            return list(gradients)
 
         handed_over = []
         for index, members in enumerate(buckets):
@@ -66,8 +68,6 @@ class GradientAllreduce:
             submit = functools.partial(self._submit, index, len(buckets))
             handed_over.append(tf.numpy_function(submit, [flat], tf.int64, stateful=True,
                                                  name=f"tnt_submit_bucket_{index}"))
-        if not buckets:
-            return list(gradients)
         reduced = tf.numpy_function(self._collect, handed_over, [dense[m[0]].dtype for m in buckets],
                                     stateful=True, name="tnt_collect_buckets")
 
@@ -77,8 +77,7 @@ class GradientAllreduce:
             flat.set_shape([sum(sizes)])
             pieces = tf.split(flat, sizes) if len(members) > 1 else [flat]
             for i, piece in zip(members, pieces):
-                original = gradients[i]
-                result[i] = tf.cast(tf.reshape(piece, dense[i].shape), original.dtype)
+                result[i] = tf.cast(tf.reshape(piece, dense[i].shape), gradients[i].dtype)
         return result
 
     @staticmethod
