@@ -64,6 +64,11 @@ def output_on_all_devices():
     return _flag("TNT_OUTPUT_ON_ALL_DEVICES")
 
 
+def tensorboard_on_all_devices():
+    """TensorBoard writes one log folder per rank (rank_<r> inside its log_dir), not the master's only."""
+    return _flag("TNT_TENSORBOARD_ON_ALL_DEVICES")
+
+
 def log_on_all_devices():
     return _flag("TNT_LOG_ON_ALL_DEVICES")
 

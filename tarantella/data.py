@@ -13,6 +13,8 @@ zero placeholders that never leave the rank's global batch view.
 
 import logging
 
+import keras
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.data.util import structure
 from tensorflow.python.framework import random_seed
@@ -279,3 +281,145 @@ _REAPPLY = {
     "_PrefetchDataset": lambda node, ds: ds.prefetch(_static(node._buffer_size)),
     "_OptionsDataset": lambda node, ds: ds.with_options(node._options),
 }
+
+
+# -- user inputs as datasets of global batches ---------------------------------------------
+
+# Transformations that keep elements batched, or unbatched, as their input was.
+_KEEPS_BATCHING = set(_REAPPLY) - set(_BATCHES) | {"_ShardDataset", "_IgnoreErrorsDataset",
+                                                   "_ConcatenateDataset"}
+# Sources of single samples (`from_tensors` is not one: its one element may be a whole batch).
+_SAMPLE_SOURCES = {"_TensorSliceDataset", "_RangeDataset", "TFRecordDatasetV2", "TextLineDatasetV2",
+                   "_FixedLengthRecordDatasetV2"}
+
+
+def is_batched(dataset):
+    """Whether the elements are batches. A transformation we do not know counts as batching."""
+    node = dataset
+    while type(node).__name__ in _KEEPS_BATCHING:
+        node = node._input_dataset
+    name = type(node).__name__
+    return name not in _SAMPLE_SOURCES and name != "_UnbatchDataset"
+
+
+def global_batches(method, x, y=None, sample_weight=None, batch_size=None, micro_batch_size=None,
+                   ranks=1, shuffle=False):
+    """The user's input as a tf.data.Dataset of global batches.
+
+    `ranks` is how many micro-batches make a global batch: the number of ranks when tarantella
+    distributes the data, 1 when each rank passes its own shard. Datasets, NumPy arrays (and
+    dicts or tuples of them, and tensors) and keras.utils.PyDataset are accepted."""
+    if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or
+                                         not isinstance(micro_batch_size, int) or micro_batch_size < 1):
+        raise ValueError(f"tnt_micro_batch_size must be a positive integer; got {micro_batch_size!r}.")
+    wanted = None if micro_batch_size is None else micro_batch_size * ranks
+    if isinstance(x, tf.data.Dataset):
+        _refuse_separate_arrays(method, "a tf.data.Dataset", y, sample_weight, batch_size)
+        return _batched_as_asked(x, wanted, micro_batch_size, ranks)
+    if isinstance(x, keras.utils.PyDataset):
+        _refuse_separate_arrays(method, "a keras.utils.PyDataset", y, sample_weight, batch_size)
+        return _from_py_dataset(x, wanted, micro_batch_size, ranks, shuffle)
+    if not _is_arrays(x):
+        raise TypeError(
+            f"tnt.Model.{method} takes a tf.data.Dataset, NumPy arrays (or dicts/tuples of them) or a "
+            f"keras.utils.PyDataset; got {type(x).__name__}. Wrap generators in a PyDataset or "
+            "tf.data.Dataset.from_generator(...).batch(global_batch_size).")
+    if wanted is not None and batch_size is not None and batch_size != wanted:
+        raise ValueError(
+            f"batch_size={batch_size} is the global batch, but tnt_micro_batch_size={micro_batch_size} "
+            f"x {ranks} ranks = {wanted}. Pass one of the two.")
+    samples = keras.utils.pack_x_y_sample_weight(*(_as_tuples(a) for a in (x, y, sample_weight)))
+    dataset = tf.data.Dataset.from_tensor_slices(samples)
+    if shuffle is True:  # Keras draws an unseeded order; ours is seeded, so all ranks draw alike
+        dataset = dataset.shuffle(int(dataset.cardinality()), seed=config.DEFAULT_SHUFFLE_SEED)
+    dataset = dataset.batch(wanted or batch_size or 32)
+    if shuffle == "batch":
+        dataset = dataset.shuffle(int(dataset.cardinality()), seed=config.DEFAULT_SHUFFLE_SEED)
+    return dataset
+
+
+def split_for_validation(x, y, sample_weight, fraction):
+    """Keras' validation_split: the last `fraction` of the samples, taken before shuffling."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"validation_split must be between 0 and 1; got {fraction}.")
+    count = len(tf.nest.flatten(x)[0])
+    split_at = int(count * (1.0 - fraction))
+    head = lambda a: None if a is None else tf.nest.map_structure(lambda t: t[:split_at], _as_tuples(a))
+    tail = lambda a: None if a is None else tf.nest.map_structure(lambda t: t[split_at:], _as_tuples(a))
+    return (head(x), head(y), head(sample_weight)), (tail(x), tail(y), tail(sample_weight))
+
+
+def count_batches(dataset):
+    """Batches in one pass over the dataset (-1: endless); counts by iterating if TF cannot tell."""
+    count = int(dataset.cardinality())
+    if count == tf.data.UNKNOWN_CARDINALITY:
+        count = int(dataset.reduce(np.int64(0), lambda counted, _: counted + 1))
+    return count
+
+
+def _refuse_separate_arrays(method, kind, y, sample_weight, batch_size):
+    if y is not None or sample_weight is not None:
+        raise ValueError(f"tnt.Model.{method}: with {kind}, labels and sample weights belong inside its "
+                         "elements, as (x, y) or (x, y, sample_weight); do not pass y= or sample_weight=.")
+    if batch_size is not None:
+        raise ValueError(
+            f"tnt.Model.{method}: batch_size={batch_size} cannot be combined with {kind}, which is "
+            "batched already (with the global batch size). Remove batch_size=, or pass an unbatched "
+            "dataset with tnt_micro_batch_size=.")
+
+
+def _batched_as_asked(dataset, wanted, micro_batch_size, ranks):
+    if not is_batched(dataset):
+        if wanted is None:
+            raise ValueError(
+                "The dataset is not batched: its elements are single samples. Batch it with the global "
+                "batch size, e.g. dataset.batch(64), or pass tnt_micro_batch_size= and tarantella batches "
+                "it with micro-batch x ranks.")
+        return dataset.batch(wanted)
+    if wanted is not None:
+        chain = _rebuildable_chain(dataset)
+        batch = _static_batch_size(chain, _global_batch_index(chain))
+        if batch is not None and batch != wanted:
+            raise ValueError(
+                f"The dataset is batched with {batch} samples, but tnt_micro_batch_size={micro_batch_size} "
+                f"x {ranks} ranks = {wanted}. Batch it with {wanted}, or leave it unbatched and let "
+                "tnt_micro_batch_size batch it.")
+    return dataset
+
+
+def _from_py_dataset(py_dataset, wanted, micro_batch_size, ranks, shuffle):
+    batches = py_dataset.num_batches
+    if batches is None:
+        raise ValueError("tarantella needs a PyDataset with a known length (num_batches); an endless one "
+                         "cannot be split into the same number of steps on every rank.")
+    first = py_dataset[0]
+    first_size = len(tf.nest.flatten(first)[0])
+    if wanted is not None and first_size != wanted:
+        raise ValueError(
+            f"The PyDataset's batches hold {first_size} samples, but tnt_micro_batch_size={micro_batch_size} "
+            f"x {ranks} ranks = {wanted}. Make its batches hold {wanted} samples.")
+    signature = tf.nest.map_structure(
+        lambda a: tf.TensorSpec((None,) + np.shape(a)[1:], tf.as_dtype(np.asarray(a).dtype)), first)
+
+    epochs = iter(range(2**62))
+
+    def generate():
+        order = np.arange(batches)
+        if shuffle:  # Keras shuffles the batch order each epoch; here seeded, alike on every rank
+            np.random.default_rng([config.DEFAULT_SHUFFLE_SEED, next(epochs)]).shuffle(order)
+        for index in order:
+            yield py_dataset[int(index)]
+        py_dataset.on_epoch_end()
+
+    dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
+    return dataset.apply(tf.data.experimental.assert_cardinality(batches))  # Keras then knows the steps
+
+
+def _is_arrays(x):
+    leaves = tf.nest.flatten(_as_tuples(x))
+    return bool(leaves) and all(isinstance(a, (np.ndarray, tf.Tensor)) for a in leaves)
+
+
+def _as_tuples(structure):
+    """Keras reads a list of arrays as several inputs; tf.data would stack it into one tensor."""
+    return tuple(structure) if isinstance(structure, list) else structure

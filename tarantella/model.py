@@ -19,9 +19,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tarantella import communication, config, data, gradients
+from tarantella import callbacks as callbacks_module
+from tarantella import communication, config, data, gradients, saving
 
 logger = communication.logger
+
+# Below this many samples per rank, per-rank BatchNormalization statistics get noisy.
+_SMALL_BATCH_NORMALIZATION_BATCH = 16
 
 _TRAINING_HOOKS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics")
 
@@ -52,6 +56,10 @@ class Model(keras.Model):
         self._comm = communication.init()
         self._distributed = self._comm.size > 1
         self._weights_synced = False
+        self._warned_batch_normalization = False
+        # Rank-local metric values, kept only while a callback asks for them (aggregate_logs=False).
+        self._local_metric_state = None
+        self._local_epoch_logs = None
         self._gradient_allreduce = gradients.GradientAllreduce(self._comm, config.fusion_threshold_bytes())
         if self._distributed:
             self._jit_compile = False  # a host-side allreduce cannot live inside an XLA cluster
@@ -88,7 +96,12 @@ class Model(keras.Model):
         return self._keras_model.get_layer(name=name, index=index)
 
     def get_config(self):
-        return self._keras_model.get_config()
+        # The whole serialized Keras model: from_config must know its class, not only its layers.
+        return keras.saving.serialize_keras_object(self._keras_model)
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        return saving.model_from_config(config, custom_objects)
 
     def to_json(self, **kwargs):
         return self._keras_model.to_json(**kwargs)
@@ -100,6 +113,26 @@ class Model(keras.Model):
     def set_weights(self, weights):
         super().set_weights(weights)
         self._weights_synced = False  # the master's values go out before the next step
+
+    # -- saving and loading (see saving.py) -------------------------------------------
+
+    def save(self, filepath, overwrite=True, tnt_save_all_devices=False, **kwargs):
+        """Saves the wrapped Keras model, with the optimizer state once compiled; the master writes."""
+        saving.write_whole(filepath, lambda partial: self._keras_model.save(partial, **kwargs),
+                           overwrite, tnt_save_all_devices)
+
+    def save_weights(self, filepath, overwrite=True, tnt_save_all_devices=False, max_shard_size=None):
+        if max_shard_size is not None:
+            raise ValueError("tnt.Model.save_weights writes one file, which appears whole or not at all; "
+                             "sharded saving (max_shard_size=) is not supported. Leave max_shard_size unset.")
+        saving.write_whole(filepath, self._keras_model.save_weights, overwrite, tnt_save_all_devices)
+
+    def load_weights(self, filepath, skip_mismatch=False, **kwargs):
+        """Every rank reads the file (it must be visible to all); optimizer state is restored too."""
+        if self.compiled and self.built and not self.optimizer.built:
+            self.optimizer.build(self.trainable_variables)  # else the saved optimizer state is skipped
+        self._keras_model.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+        self._weights_synced = False
 
     # -- compile, fit, evaluate, predict -----------------------------------------------
 
@@ -119,57 +152,95 @@ class Model(keras.Model):
         if self._distributed:
             jit_compile = False  # Keras would pick XLA by itself on a GPU
         super().compile(optimizer, loss, *args, jit_compile=jit_compile, **kwargs)
+        # The wrapped model shares the optimizer and knows the compile arguments, so a saved
+        # file is a complete Keras model file, optimizer state included.
+        self._keras_model.compile(self.optimizer, loss, *args, jit_compile=jit_compile, **kwargs)
         self._weights_synced = False
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
             sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
-            validation_batch_size=None, validation_freq=1):
+            validation_batch_size=None, validation_freq=1, tnt_micro_batch_size=None,
+            tnt_validation_micro_batch_size=None, tnt_distribute_dataset=True,
+            tnt_distribute_validation_dataset=True):
+        """Keras' fit; batch sizes are global. tnt_micro_batch_size batches an unbatched dataset
+        with micro-batch x ranks; tnt_distribute_dataset=False means each rank passes its own shard."""
         self._check_compiled("fit")
-        _check_dataset_input("fit", x, y=y, batch_size=batch_size, sample_weight=sample_weight)
         if validation_split:
-            raise ValueError("validation_split= needs array inputs; pass validation_data= as a "
-                             "tf.data.Dataset batched with the global batch size instead.")
+            if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)):
+                raise ValueError("validation_split= needs array inputs; pass validation_data= (a dataset "
+                                 "batched with the global batch size) instead.")
+            (x, y, sample_weight), validation_data = data.split_for_validation(x, y, sample_weight,
+                                                                              validation_split)
+        x = self._input("fit", x, y, sample_weight, batch_size, tnt_micro_batch_size, tnt_distribute_dataset,
+                        shuffle)
         if validation_data is not None:
-            _check_dataset_input("fit (validation_data)", validation_data,
-                                 batch_size=validation_batch_size)
-        x = self._distribute(x)
-        validation_data = None if validation_data is None else self._distribute(validation_data)
+            if isinstance(validation_data, (tuple, list)):
+                validation_data = tuple(validation_data) + (None,) * (3 - len(validation_data))
+                val_x, val_y, val_weight = validation_data
+            else:
+                val_x, val_y, val_weight = validation_data, None, None
+            validation_data = self._input(
+                "fit (validation_data)", val_x, val_y, val_weight, validation_batch_size or
+                (batch_size if not isinstance(val_x, (tf.data.Dataset, keras.utils.PyDataset)) else None),
+                tnt_validation_micro_batch_size, tnt_distribute_validation_dataset, shuffle=False)
+        if not tnt_distribute_dataset:
+            self._check_same_step_counts(x, steps_per_epoch, "training")
+        if validation_data is not None and not tnt_distribute_validation_dataset:
+            self._check_same_step_counts(validation_data, validation_steps, "validation")
         if self._distributed:
             self._prepare(x.element_spec, compiled_state=True)
+            self._warn_small_batch_normalization_batches(x)
+        callbacks, master_alone = self._callbacks_for_this_rank(callbacks)
         with self._keras_output_on_master_only():
             history = super().fit(
-                x, epochs=epochs, verbose=verbose, callbacks=callbacks, validation_data=validation_data,
-                shuffle=shuffle, class_weight=class_weight, initial_epoch=initial_epoch,
+                x, epochs=epochs, verbose=self._verbosity(verbose), callbacks=callbacks,
+                validation_data=validation_data, class_weight=class_weight, initial_epoch=initial_epoch,
                 steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
                 validation_freq=validation_freq)
         self._use_masters_statistics()
+        self._wait_for_master(master_alone)
         return history
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
-                 callbacks=None, return_dict=False, **kwargs):
+                 callbacks=None, return_dict=False, tnt_micro_batch_size=None, tnt_distribute_dataset=True,
+                 **kwargs):
         if kwargs.get("_use_cached_eval_dataset"):  # validation inside fit: already distributed
             self._use_masters_statistics()
-            return super().evaluate(x, y, batch_size=batch_size, verbose=verbose, steps=steps,
-                                    callbacks=callbacks, return_dict=return_dict, **kwargs)
+            training_logs = self._local_metrics_result() if self._local_metric_state else None
+            result = super().evaluate(x, y, batch_size=batch_size, verbose=verbose, steps=steps,
+                                      callbacks=callbacks, return_dict=return_dict, **kwargs)
+            if training_logs is not None:  # on_epoch_end comes after validation: keep both
+                validation = {f"val_{name}": value for name, value in self._local_metrics_result().items()}
+                self._local_epoch_logs = {**training_logs, **validation}
+            return result
         self._check_compiled("evaluate")
-        _check_dataset_input("evaluate", x, y=y, batch_size=batch_size, sample_weight=sample_weight)
-        x = self._distribute(x)
+        x = self._input("evaluate", x, y, sample_weight, batch_size, tnt_micro_batch_size,
+                        tnt_distribute_dataset)
+        if not tnt_distribute_dataset:
+            self._check_same_step_counts(x, steps, "evaluation")
         if self._distributed:
             self._prepare(x.element_spec, compiled_state=True)
             self._use_masters_statistics()
+        callbacks, master_alone = self._callbacks_for_this_rank(callbacks)
         with self._keras_output_on_master_only():
-            return super().evaluate(x, verbose=verbose, steps=steps, callbacks=callbacks,
-                                    return_dict=return_dict, **kwargs)
+            result = super().evaluate(x, verbose=self._verbosity(verbose), steps=steps, callbacks=callbacks,
+                                      return_dict=return_dict, **kwargs)
+        self._wait_for_master(master_alone)
+        return result
 
-    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
-        _check_dataset_input("predict", x, batch_size=batch_size)
-        x = self._distribute(x)
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None,
+                tnt_micro_batch_size=None):
+        """Every rank gets every prediction, in the order of the input samples."""
+        x = self._input("predict", x, None, None, batch_size, tnt_micro_batch_size, distribute=True)
         if self._distributed:
             self._prepare(x.element_spec, compiled_state=False)
             self._use_masters_statistics()
+        callbacks, master_alone = self._callbacks_for_this_rank(callbacks)
         with self._keras_output_on_master_only():
-            return super().predict(x, verbose=verbose, steps=steps, callbacks=callbacks)
+            result = super().predict(x, verbose=self._verbosity(verbose), steps=steps, callbacks=callbacks)
+        self._wait_for_master(master_alone)
+        return result
 
     # -- the distributed steps --------------------------------------------------------
 
@@ -181,6 +252,7 @@ class Model(keras.Model):
             y_pred = self(x, training=True)
             local = self._local_step_values(x, y, y_pred, sample_weight)
         step = self._sum_over_ranks(local)
+        self._record_local_metrics(local)
         weights = self.trainable_weights
         if weights:
             # Each rank differentiates its share of the serial loss; the allreduce sums the shares.
@@ -199,7 +271,9 @@ class Model(keras.Model):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data_batch)
         y_pred = self(x, training=False)
         local = self._local_step_values(x, y, y_pred, sample_weight)
-        return self._record_global_metrics(self._sum_over_ranks(local))
+        step = self._sum_over_ranks(local)
+        self._record_local_metrics(local)
+        return self._record_global_metrics(step)
 
     def predict_step(self, data_batch):
         y_pred = super().predict_step(data_batch)
@@ -273,6 +347,43 @@ class Model(keras.Model):
             variable.assign_add(tf.cast(tf.reshape(increment, variable.shape), variable.dtype))
         return self.get_metrics_result()
 
+    def _record_local_metrics(self, local):
+        """Advances the rank-local copy of the metric state by this micro-batch alone."""
+        if self._local_metric_state is None:
+            return
+        pairs = self._local_metric_state
+        losses = [loss for loss in (local.data_loss, local.extra_loss) if loss is not None]
+        loss = tf.add_n([tf.cast(loss, tf.float32) for loss in losses]) if losses else tf.constant(0.0)
+        samples = tf.cast(local.batch_size, tf.float32)
+        with keras.StatelessScope(state_mapping=[(v, shadow.read_value()) for v, shadow in pairs]) as scope:
+            self._loss_tracker.update_state(tf.where(samples > 0, loss, 0.0), sample_weight=samples)
+            for variable, increment in zip(local.summed_variables + local.per_batch_variables,
+                                           local.summed_increments + local.per_batch_increments):
+                variable.assign_add(increment)
+        for variable, shadow in pairs:
+            shadow.assign(scope.get_current_value(variable))
+
+    def _local_metrics_result(self):
+        """This rank's own loss and metrics (its micro-batches only), in the form of Keras' logs."""
+        pairs = self._local_metric_state or []
+        with keras.StatelessScope(state_mapping=[(v, shadow.read_value()) for v, shadow in pairs]):
+            result = self.get_metrics_result()
+        return {name: value.numpy().item() if np.ndim(value) == 0 else value.numpy()
+                for name, value in result.items()}
+
+    def _track_local_metrics(self, wanted):
+        if wanted == (self._local_metric_state is not None):
+            return
+        self._local_metric_state = tuple(
+            (v, tf.Variable(v.value, trainable=False)) for metric in self.metrics for v in metric.variables
+        ) if wanted else None
+        self.train_function = self.test_function = None  # retraced with or without the local copy
+
+    def reset_metrics(self):
+        super().reset_metrics()
+        for variable, shadow in self._local_metric_state or ():
+            shadow.assign(variable.value)
+
     def _data_loss_is_summed(self):
         if self._compile_loss is None or not self._compile_loss._flat_losses:
             return False
@@ -294,8 +405,63 @@ class Model(keras.Model):
         if not self.compiled:
             raise RuntimeError(f"Call model.compile(optimizer, loss, metrics) before model.{method}().")
 
-    def _distribute(self, dataset):
+    def _input(self, method, x, y, sample_weight, batch_size, micro_batch_size, distribute, shuffle=False):
+        """The rank's dataset: global batches built from the user's input, then split (if asked)."""
+        ranks = self._comm.size if distribute else 1
+        dataset = data.global_batches(method, x, y, sample_weight, batch_size, micro_batch_size, ranks,
+                                      shuffle)
+        if not distribute:
+            logger.info("%s: automatic data distribution is off; each rank uses the dataset it passed.",
+                        method)
+            return dataset
         return data.distribute(dataset, self._comm.rank, self._comm.size)
+
+    def _check_same_step_counts(self, dataset, steps, purpose):
+        """With data the user sharded, a rank with fewer batches would leave the others waiting."""
+        if not self._distributed or steps is not None:
+            return
+        counts = self._comm.allgather(data.count_batches(dataset), f"the count of {purpose} batches per rank")
+        if len(set(counts)) > 1:
+            listing = ", ".join(f"rank {rank}: {count if count >= 0 else 'endless'}"
+                                for rank, count in enumerate(counts))
+            raise ValueError(
+                f"With automatic distribution off, the ranks' {purpose} datasets hold different numbers of "
+                f"batches ({listing}). Every rank must run the same number of steps: give each rank the "
+                "same number of batches (e.g. shard, then take()), or pass the steps argument.")
+
+    def _callbacks_for_this_rank(self, user_callbacks):
+        chosen, master_alone = callbacks_module.for_this_rank(user_callbacks, self._comm.rank)
+        wants_local = any(isinstance(c, callbacks_module.Callback) and not c.aggregate_logs for c in chosen)
+        if self._distributed:
+            self._track_local_metrics(wants_local)
+        return chosen, master_alone and self._distributed
+
+    def _verbosity(self, verbose):
+        on_master = self._comm.rank == communication.MASTER_RANK
+        return verbose if on_master or config.output_on_all_devices() else 0
+
+    def _wait_for_master(self, master_alone):
+        """Callbacks that ran on the master alone may have written files: all wait until they did."""
+        if master_alone:
+            self._comm.allgather(None, "the wait for the master's callbacks to finish")
+
+    def _warn_small_batch_normalization_batches(self, dataset):
+        if self._warned_batch_normalization:
+            return
+        chain = data._rebuildable_chain(dataset)
+        global_batch = data._static_batch_size(chain, data._global_batch_index(chain))
+        has_batch_normalization = any(isinstance(layer, keras.layers.BatchNormalization)
+                                      for layer in self._flatten_layers())
+        if has_batch_normalization and global_batch is not None and \
+                global_batch // self._comm.size < _SMALL_BATCH_NORMALIZATION_BATCH:
+            logger.warning(
+                "The model has BatchNormalization layers and micro-batches of %d samples (global batch "
+                "%d over %d ranks). Each rank normalizes with the statistics of its own micro-batch, "
+                "not of the global batch, so training differs from serial training and is noisy below "
+                "%d samples per rank. Use a larger global batch, or fewer ranks.",
+                global_batch // self._comm.size, global_batch, self._comm.size,
+                _SMALL_BATCH_NORMALIZATION_BATCH)
+            self._warned_batch_normalization = True
 
     def _prepare(self, element_spec, compiled_state):
         """Builds every variable, then gives all ranks the master's values (once, or after a change)."""
@@ -341,21 +507,6 @@ def _zero_if_no_samples(grads, batch_size):
     chosen = iter(tf.cond(batch_size > 0, lambda: [tf.identity(g) for g in present],
                           lambda: [tf.zeros_like(g) for g in present]))
     return [None if g is None else next(chosen) for g in grads]
-
-
-def _check_dataset_input(method, x, y=None, batch_size=None, sample_weight=None):
-    if not isinstance(x, tf.data.Dataset):
-        raise TypeError(
-            f"tnt.Model.{method} expects a tf.data.Dataset batched with the global batch size; got "
-            f"{type(x).__name__}. Build one with "
-            "tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch_size).")
-    if y is not None or sample_weight is not None:
-        raise ValueError(f"tnt.Model.{method}: labels and sample weights belong inside the dataset "
-                         "elements, as (x, y) or (x, y, sample_weight); do not pass y= or sample_weight=.")
-    if batch_size is not None:
-        raise ValueError(
-            f"tnt.Model.{method}: batch_size={batch_size} cannot be combined with a tf.data.Dataset, which "
-            "is already batched with the global batch size. Remove batch_size= (batch the dataset instead).")
 
 
 def _check_same_variables_everywhere(comm, variables):

@@ -1,0 +1,168 @@
+"""Callbacks under tarantella: which ranks run each one, and which logs it sees.
+
+Published as `tnt.keras.callbacks`. Every rank's step already returns the global loss and
+metrics (those of the serial run), so a callback that decides something (EarlyStopping,
+ReduceLROnPlateau, LearningRateScheduler, TerminateOnNaN) runs on every rank and every rank
+decides alike. Keras' callbacks that print or write files run on the master alone: one
+progress bar, one CSV file, one checkpoint. `Callback` sets this for a user's own callback.
+"""
+
+import contextlib
+import os
+
+import keras
+
+from tarantella import communication, config, saving
+
+_DECIDING = (keras.callbacks.EarlyStopping, keras.callbacks.ReduceLROnPlateau,
+             keras.callbacks.LearningRateScheduler, keras.callbacks.TerminateOnNaN)
+_PRINTING_OR_WRITING = (keras.callbacks.ProgbarLogger, keras.callbacks.CSVLogger,
+                        keras.callbacks.RemoteMonitor, keras.callbacks.TensorBoard)
+# These save through the model; alone on the master, their saves must not wait for the other ranks.
+_SAVING = (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore)
+
+
+class Callback(keras.callbacks.Callback):
+    """Runs a Keras callback under tarantella.
+
+    aggregate_logs: True (default) gives the callback the global logs, equal to those of a
+        serial run; False gives it the values of this rank's own micro-batches.
+    run_on_all_ranks: True (default) runs it on every rank; False on the master only.
+    A callback passed to fit/evaluate/predict without this wrapper behaves as if wrapped
+    with the defaults; Keras' printing and writing callbacks always run on the master only.
+    """
+
+    def __init__(self, callback, aggregate_logs=True, run_on_all_ranks=True):
+        super().__init__()
+        if isinstance(callback, Callback):
+            raise TypeError("This callback is already a tnt.keras.callbacks.Callback; wrap the Keras "
+                            "callback once.")
+        if not isinstance(callback, keras.callbacks.Callback):
+            raise TypeError(f"tnt.keras.callbacks.Callback wraps a keras.callbacks.Callback; got "
+                            f"{type(callback).__name__}.")
+        for name, value in (("aggregate_logs", aggregate_logs), ("run_on_all_ranks", run_on_all_ranks)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False; got {value!r}.")
+        if isinstance(callback, _DECIDING) and not (aggregate_logs and run_on_all_ranks):
+            raise ValueError(
+                f"{type(callback).__name__} changes how every rank trains, so it must run on all ranks "
+                "with the global logs: with aggregate_logs=False or run_on_all_ranks=False the ranks would "
+                "decide differently (stop at different epochs, use different learning rates) and the "
+                "job would diverge or hang. Pass it to fit() unwrapped.")
+        self.callback = callback
+        self.aggregate_logs = aggregate_logs
+        self.run_on_all_ranks = run_on_all_ranks and not isinstance(callback, _PRINTING_OR_WRITING + _SAVING)
+
+    def set_model(self, model):
+        super().set_model(model)
+        self.callback.set_model(model)
+
+    def set_params(self, params):
+        super().set_params(params)
+        self.callback.set_params(params)
+
+    def _call(self, hook, *args, logs=None, local_logs=None):
+        if not self.aggregate_logs and local_logs is not None and _distributed(self.model):
+            logs = local_logs()
+        scope = contextlib.nullcontext() if self.run_on_all_ranks else saving.master_alone()
+        with scope:
+            getattr(self.callback, hook)(*args, logs=logs)
+
+    def on_train_begin(self, logs=None):
+        self._call("on_train_begin", logs=logs)
+
+    def on_train_end(self, logs=None):
+        self._call("on_train_end", logs=logs, local_logs=self._local_epoch_logs)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if _distributed(self.model):
+            self.model._local_epoch_logs = None
+        self._call("on_epoch_begin", epoch, logs=logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._call("on_epoch_end", epoch, logs=logs, local_logs=self._local_epoch_logs)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._call("on_train_batch_begin", batch, logs=logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._call("on_train_batch_end", batch, logs=logs, local_logs=self._local_logs)
+
+    def on_test_begin(self, logs=None):
+        self._call("on_test_begin", logs=logs)
+
+    def on_test_end(self, logs=None):
+        self._call("on_test_end", logs=logs, local_logs=self._local_logs)
+
+    def on_test_batch_begin(self, batch, logs=None):
+        self._call("on_test_batch_begin", batch, logs=logs)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._call("on_test_batch_end", batch, logs=logs, local_logs=self._local_logs)
+
+    def on_predict_begin(self, logs=None):
+        self._call("on_predict_begin", logs=logs)
+
+    def on_predict_end(self, logs=None):
+        self._call("on_predict_end", logs=logs)
+
+    def on_predict_batch_begin(self, batch, logs=None):
+        self._call("on_predict_batch_begin", batch, logs=logs)
+
+    def on_predict_batch_end(self, batch, logs=None):
+        # Predictions are gathered from all ranks in the step itself: every rank sees them all.
+        self._call("on_predict_batch_end", batch, logs=logs)
+
+    def _local_logs(self):
+        return self.model._local_metrics_result()
+
+    def _local_epoch_logs(self):
+        # Keras validates before on_epoch_end, so the rank's training values were set aside then.
+        return self.model._local_epoch_logs or self.model._local_metrics_result()
+
+
+class _MastersBackupAndRestore(Callback):
+    """BackupAndRestore: every rank restores the backup (all must resume alike), the master saves."""
+
+    def __init__(self, callback):
+        super().__init__(callback)
+
+    def on_train_begin(self, logs=None):
+        self.callback.on_train_begin(logs)
+
+    def _call(self, hook, *args, logs=None, local_logs=None):
+        if communication.init().rank == communication.MASTER_RANK:
+            with saving.master_alone():
+                getattr(self.callback, hook)(*args, logs=logs)
+
+
+def for_this_rank(callbacks, rank):
+    """The callbacks this rank passes to Keras, each set up to run where it should.
+
+    Returns (callbacks, whether the master runs some alone, so ranks must wait for it at the end)."""
+    chosen, master_alone = [], False
+    for callback in callbacks or []:
+        wrapped = callback if isinstance(callback, Callback) else Callback(callback)
+        inner = wrapped.callback
+        if isinstance(inner, keras.callbacks.BackupAndRestore):
+            chosen.append(_MastersBackupAndRestore(inner))
+            master_alone = True
+        elif isinstance(inner, keras.callbacks.TensorBoard) and config.tensorboard_on_all_devices():
+            rank_folder = f"rank_{rank}"
+            if os.path.basename(os.path.normpath(inner.log_dir)) != rank_folder:  # once, if fit again
+                inner.log_dir = os.path.join(inner.log_dir, rank_folder)
+            chosen.append(inner)
+        elif wrapped.run_on_all_ranks:
+            # Unwrapped where the wrapper adds nothing: Keras recognizes its own History and
+            # ProgbarLogger, and may run plain callbacks asynchronously.
+            chosen.append(inner if wrapped.aggregate_logs else wrapped)
+        else:
+            master_alone = True
+            if rank == communication.MASTER_RANK:
+                needs_wrapper = not wrapped.aggregate_logs or not isinstance(inner, _PRINTING_OR_WRITING)
+                chosen.append(wrapped if needs_wrapper else inner)
+    return chosen, master_alone
+
+
+def _distributed(model):
+    return getattr(model, "_distributed", False)

@@ -1,0 +1,119 @@
+"""Saving and loading: the master writes, every file appears whole, loads give tnt.Models.
+
+Published as `tnt.models`. A save goes to a hidden file in the target's folder, which is then
+renamed over the target: a crash mid-write leaves the previous file as it was. Only the master
+writes unless `tnt_save_all_devices=True`; every rank returns once the file is complete, and
+if a write fails every rank raises. Saved files are plain Keras files, so a serial program
+reads them with `keras.models.load_model`.
+"""
+
+import contextlib
+import copy
+import os
+import uuid
+
+import keras
+
+from tarantella import communication
+
+_master_alone = False  # True while a master-only callback runs: the other ranks are not saving
+
+
+@contextlib.contextmanager
+def master_alone():
+    """Saves inside this block are made by the master without waiting for the other ranks."""
+    global _master_alone
+    previous, _master_alone = _master_alone, True
+    try:
+        yield
+    finally:
+        _master_alone = previous
+
+
+def write_whole(filepath, write, overwrite=True, save_all_devices=False):
+    """Calls `write(partial_path)` on the writing ranks and renames the result to `filepath`."""
+    comm = communication.init()
+    path = os.fspath(filepath)
+    if "://" in path:
+        raise ValueError(f"tarantella saves to local or shared file systems; {path!r} is a remote URL. "
+                         "Save to a local path, then copy the file.")
+    error = None
+    if save_all_devices or _master_alone or comm.rank == communication.MASTER_RANK:
+        try:
+            _write_then_rename(path, write, overwrite)
+        except Exception as exc:  # reported to every rank below, then raised here
+            error = exc
+    if comm.size > 1 and not _master_alone:
+        reports = comm.allgather(None if error is None else f"{type(error).__name__}: {error}",
+                                 f"the save of {path}")
+        failed = [(rank, report) for rank, report in enumerate(reports) if report]
+        if failed and error is None:
+            rank, report = failed[0]
+            raise OSError(f"Saving {path} failed on rank {rank}: {report}")
+    if error is not None:
+        raise error
+
+
+def _write_then_rename(path, write, overwrite):
+    if not overwrite and os.path.exists(path):
+        raise FileExistsError(f"{path} exists and overwrite=False. Pass overwrite=True to replace it, "
+                              "or choose another path.")
+    folder, name = os.path.split(os.path.abspath(path))
+    # The partial file keeps the target's name as its suffix: Keras checks the extension.
+    partial = os.path.join(folder, f".tnt-partial-{uuid.uuid4().hex[:12]}-{name}")
+    try:
+        write(partial)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+def save_model(model, filepath, overwrite=True, tnt_save_all_devices=False, **kwargs):
+    """Saves a tnt.Model or a keras.Model as a .keras file, written by the master only."""
+    from tarantella.model import Model
+
+    if isinstance(model, Model):
+        return model.save(filepath, overwrite=overwrite, tnt_save_all_devices=tnt_save_all_devices, **kwargs)
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"save_model saves a keras.Model or tnt.Model; got {type(model).__name__}.")
+    write_whole(filepath, lambda partial: model.save(partial, **kwargs), overwrite, tnt_save_all_devices)
+
+
+def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
+    """Loads a saved model as a tnt.Model, compiled (with its optimizer state) if it was saved so.
+
+    Every rank reads the file, so it must be visible to all of them (a shared file system)."""
+    keras_model = keras.models.load_model(filepath, custom_objects=custom_objects, compile=compile,
+                                          safe_mode=safe_mode)
+    return _wrap(keras_model)
+
+
+def model_from_config(config, custom_objects=None):
+    """A new tnt.Model from `model.get_config()`; weights are freshly initialized."""
+    # Keras consumes the config while it rebuilds the model; the caller keeps theirs.
+    return _wrap(keras.saving.deserialize_keras_object(copy.deepcopy(config), custom_objects=custom_objects))
+
+
+def model_from_json(json_string, custom_objects=None):
+    """A new tnt.Model from `model.to_json()`; weights are freshly initialized."""
+    return _wrap(keras.models.model_from_json(json_string, custom_objects=custom_objects))
+
+
+def clone_model(model, **kwargs):
+    """A tnt.Model with the same architecture and new weights (see keras.models.clone_model)."""
+    from tarantella.model import Model
+
+    keras_model = model._keras_model if isinstance(model, Model) else model
+    return Model(keras.models.clone_model(keras_model, **kwargs))
+
+
+def _wrap(keras_model):
+    from tarantella.model import Model
+
+    model = Model(keras_model)
+    if keras_model.compiled:
+        arguments = keras.saving.deserialize_keras_object(keras_model.get_compile_config())
+        arguments["optimizer"] = keras_model.optimizer  # keeps the loaded optimizer state
+        model.compile(**arguments)
+    return model

@@ -1,0 +1,416 @@
+"""Callbacks, saving, batch-size options and input types: tarantella next to serial Keras.
+
+Run as `tarantella -n N -- keras_surface.py SCENARIO OUT`. Each rank trains with tarantella
+and, in the same process, trains the serial Keras reference (plain keras.Model, never
+wrapped); it writes what it saw to OUT/SCENARIO.rank<r>.json for the test to compare.
+Files a rank writes on its own go to OUT/rank<r>/, so a test sees who wrote what.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tarantella as tnt  # noqa: E402
+
+SAMPLES, FEATURES, CLASSES = 135, 8, 3
+
+
+def arrays(samples=SAMPLES, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(samples, FEATURES)).astype(np.float32)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype(np.int64) + (x[:, 2] > 1).astype(np.int64)
+    return x, y
+
+
+def build(seed=7, batch_normalization=False):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((FEATURES,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    if batch_normalization:
+        hidden = keras.layers.BatchNormalization()(hidden)
+    return keras.Model(inputs, keras.layers.Dense(CLASSES, activation="softmax")(hidden))
+
+
+def compiled(model, learning_rate=0.1, optimizer="sgd"):
+    make = {"sgd": keras.optimizers.SGD, "adam": keras.optimizers.Adam}[optimizer]
+    model.compile(make(learning_rate), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def pair(**build_args):
+    """(serial Keras model, tnt.Model) starting from the same weights."""
+    return compiled(build(**build_args)), compiled(tnt.Model(build(**build_args)))
+
+
+def weights_difference(a, b):
+    return max(float(np.max(np.abs(p - q))) for p, q in zip(a.get_weights(), b.get_weights()))
+
+
+def dataset(x, y, batch):
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+
+
+def own_folder(out):
+    folder = os.path.join(out, f"rank{tnt.get_rank()}")
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+# -- scenarios ---------------------------------------------------------------------------------
+
+def deciding_callbacks(out):
+    """EarlyStopping, ReduceLROnPlateau, LearningRateScheduler, CSVLogger, ModelCheckpoint."""
+    x, y = arrays()
+    val_x, val_y = arrays(40, seed=1)
+
+    def callbacks(folder):
+        return [keras.callbacks.EarlyStopping(monitor="val_loss", min_delta=0.02, patience=1),
+                keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, min_delta=0.05, patience=0),
+                keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.95),
+                keras.callbacks.TerminateOnNaN(),
+                keras.callbacks.CSVLogger(os.path.join(folder, "log.csv")),
+                keras.callbacks.ModelCheckpoint(os.path.join(folder, "best.keras"), monitor="val_loss",
+                                                save_best_only=True)]
+
+    serial, model = pair()
+    serial_folder = os.path.join(out, "serial")
+    os.makedirs(serial_folder, exist_ok=True)
+    expected = serial.fit(dataset(x, y, 32), validation_data=dataset(val_x, val_y, 16), epochs=30,
+                          verbose=0, callbacks=callbacks(serial_folder))
+    folder = own_folder(out)
+    history = model.fit(dataset(x, y, 32), validation_data=dataset(val_x, val_y, 16), epochs=30,
+                        verbose=0, callbacks=callbacks(folder))
+    best = keras.models.load_model(os.path.join(out, "rank0", "best.keras"))
+    serial_best = keras.models.load_model(os.path.join(serial_folder, "best.keras"))
+    return {"history": history.history, "serial_history": expected.history,
+            "learning_rate": float(model.optimizer.learning_rate.numpy()),
+            "serial_learning_rate": float(serial.optimizer.learning_rate.numpy()),
+            "best_checkpoint_difference": weights_difference(best, serial_best),
+            "weights_difference": weights_difference(model, serial)}
+
+
+def terminate_on_nan(out):
+    """A learning rate far too large: the loss overflows after a few batches and training stops."""
+    x, y = arrays()
+
+    def run(model):
+        batches = []
+        history = model.fit(dataset(x, y, 32), epochs=3, verbose=0, callbacks=[
+            keras.callbacks.TerminateOnNaN(),
+            keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: batches.append(batch))])
+        return batches, len(history.history["loss"])
+
+    serial = run(compiled(build(), learning_rate=1e18))
+    mine = run(compiled(tnt.Model(build()), learning_rate=1e18))
+    return {"batches": mine[0], "epochs": mine[1], "serial_batches": serial[0], "serial_epochs": serial[1]}
+
+
+def writing_callbacks(out):
+    """TensorBoard, RemoteMonitor and a ProgbarLogger: output from the master only."""
+    x, y = arrays()
+    _, model = pair()
+    folder = own_folder(out)
+    posts = []
+
+    class CountingMonitor(keras.callbacks.RemoteMonitor):
+        def on_epoch_end(self, epoch, logs=None):  # no server here: count what would be sent
+            posts.append(epoch)
+
+    model.fit(dataset(x, y, 32), epochs=2, verbose=2, callbacks=[
+        keras.callbacks.TensorBoard(os.path.join(folder, "tensorboard")), CountingMonitor(),
+        keras.callbacks.ProgbarLogger()])
+    return {"posts": posts}
+
+
+class Recorder(keras.callbacks.Callback):
+    """Notes every hook call with its logs; the test checks where it ran and what it saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.calls.append(["train_batch", batch, dict(logs)])
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.calls.append(["epoch", epoch, dict(logs)])
+
+    def on_test_end(self, logs=None):
+        self.calls.append(["test_end", None, dict(logs)])
+
+
+def custom_callbacks(out):
+    """Each wrapper setting, an unwrapped callback and a LambdaCallback; SGD with rate 0 keeps the
+    weights fixed, so each rank's own values can be computed here from its rows alone."""
+    x, y = arrays(128)
+    val_x, val_y = arrays(40, seed=1)
+    settings = {"default": None, "local_all": (False, True), "global_master": (True, False),
+                "local_master": (False, False)}
+    recorders = {name: Recorder() for name in settings}
+    callbacks = [recorders["default"]] + [
+        tnt.keras.callbacks.Callback(recorders[name], aggregate_logs=aggregate, run_on_all_ranks=all_ranks)
+        for name, (aggregate, all_ranks) in list(settings.items())[1:]]
+    lambda_epochs = []
+    callbacks.append(tnt.keras.callbacks.Callback(
+        keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: lambda_epochs.append(epoch)),
+        aggregate_logs=False, run_on_all_ranks=False))
+    model = compiled(tnt.Model(build()), learning_rate=0.0)
+    model.fit(dataset(x, y, 32), validation_data=dataset(val_x, val_y, 20), epochs=2, verbose=0,
+              callbacks=callbacks)
+
+    rank, size = tnt.get_rank(), tnt.get_size()
+    own = lambda count, batch: np.concatenate([np.arange(start + rank, min(start + batch, count), size)
+                                               for start in range(0, count, batch)])
+    per_sample = lambda inputs, labels: (
+        keras.losses.sparse_categorical_crossentropy(labels, model(inputs)).numpy(),
+        (np.argmax(model(inputs), axis=1) == labels).astype(np.float64))
+    loss, correct = per_sample(x, y)
+    val_loss, val_correct = per_sample(val_x, val_y)
+    rows, val_rows = own(128, 32), own(40, 20)
+    expected_local = {"loss": loss[rows].mean(), "accuracy": correct[rows].mean(),
+                      "val_loss": val_loss[val_rows].mean(), "val_accuracy": val_correct[val_rows].mean(),
+                      "first_batch_loss": loss[rows[rows < 32]].mean()}
+    expected_global = {"loss": loss.mean(), "accuracy": correct.mean(), "val_loss": val_loss.mean(),
+                       "val_accuracy": val_correct.mean(), "first_batch_loss": loss[:32].mean()}
+    return {"calls": {name: recorder.calls for name, recorder in recorders.items()},
+            "lambda_epochs": lambda_epochs, "expected_local": expected_local,
+            "expected_global": expected_global}
+
+
+def wrapper_errors(out):
+    errors = []
+    attempts = [lambda: tnt.keras.callbacks.Callback(keras.callbacks.EarlyStopping(), run_on_all_ranks=False),
+                lambda: tnt.keras.callbacks.Callback(keras.callbacks.ReduceLROnPlateau(), aggregate_logs=False),
+                lambda: tnt.keras.callbacks.Callback(tnt.keras.callbacks.Callback(Recorder())),
+                lambda: tnt.keras.callbacks.Callback(Recorder(), aggregate_logs="yes"),
+                lambda: tnt.keras.callbacks.Callback(lambda epoch: None)]
+    for attempt in attempts:
+        try:
+            attempt()
+            errors.append(None)
+        except (TypeError, ValueError) as error:
+            errors.append(f"{type(error).__name__}: {error}")
+    return {"errors": errors}
+
+
+def save_and_resume(out):
+    """Whole-model and weights-only saves in the middle of training; Adam, so optimizer state counts."""
+    x, y = arrays()
+    folder = own_folder(out)
+    train = lambda model, epochs: model.fit(dataset(x, y, 32), epochs=epochs, verbose=0)
+    reference = compiled(tnt.Model(build()), 0.01, "adam")
+    train(reference, 2)
+    serial = compiled(build(), 0.01, "adam")
+    train(serial, 2)
+
+    model = compiled(tnt.Model(build()), 0.01, "adam")
+    train(model, 1)
+    model.save(os.path.join(folder, "model.keras"))
+    model.save_weights(os.path.join(folder, "model.weights.h5"))
+    model.save(os.path.join(folder, "everywhere.keras"), tnt_save_all_devices=True)
+    tnt.models.save_model(model, os.path.join(folder, "via_function.keras"))
+    shared = os.path.join(out, "rank0")
+    loaded = tnt.models.load_model(os.path.join(shared, "model.keras"))
+    loaded_type, loaded_compiled = type(loaded).__name__, loaded.compiled
+    train(loaded, 1)
+    from_weights = compiled(tnt.Model(build(seed=99)), 0.01, "adam")
+    from_weights.load_weights(os.path.join(shared, "model.weights.h5"))
+    train(from_weights, 1)
+    uncompiled = tnt.models.load_model(os.path.join(shared, "model.keras"), compile=False)
+    serial_copy = keras.models.load_model(os.path.join(shared, "model.keras"))
+    return {"resumed_whole_difference": weights_difference(loaded, reference),
+            "resumed_weights_difference": weights_difference(from_weights, reference),
+            "reference_vs_serial": weights_difference(reference, serial),
+            "loaded_type": loaded_type, "loaded_compiled": loaded_compiled,
+            "uncompiled": [type(uncompiled).__name__, uncompiled.compiled],
+            "plain_keras_reads_it": [type(serial_copy).__name__, weights_difference(serial_copy, model)],
+            "files": sorted(os.listdir(folder))}
+
+
+def configs_and_weights(out):
+    _, model = pair()
+    x, y = arrays()
+    model.fit(dataset(x, y, 32), epochs=1, verbose=0)
+    copies = {"model_from_config": tnt.models.model_from_config(model.get_config()),
+              "from_config": tnt.Model.from_config(model.get_config()),
+              "model_from_json": tnt.models.model_from_json(model.to_json()),
+              "clone_model": tnt.models.clone_model(model)}
+    result = {name: [type(copy).__name__, [w.shape == v.shape for w, v in
+                                           zip(copy.get_weights(), model.get_weights())].count(False)]
+              for name, copy in copies.items()}
+    # set_weights on one rank only: every rank then evaluates with the master's weights.
+    restored = copies["model_from_config"]
+    compiled(restored)
+    if tnt.get_rank() == 0:
+        restored.set_weights(model.get_weights())
+    result["restored_evaluation"] = restored.evaluate(dataset(x, y, 32), verbose=0)
+    result["trained_evaluation"] = model.evaluate(dataset(x, y, 32), verbose=0)
+    result["restored_difference"] = weights_difference(restored, model)
+    return result
+
+
+def failed_save(out):
+    """A write that fails midway: the old file stays, nothing partial remains, every rank raises."""
+    _, model = pair()
+    x, y = arrays()
+    model.fit(dataset(x, y, 32), epochs=1, verbose=0)
+    folder = os.path.join(out, "shared")
+    os.makedirs(folder, exist_ok=True)
+    target = os.path.join(folder, "model.weights.h5")
+    model.save_weights(target)
+    before = open(target, "rb").read()
+
+    def broken_write(path, *args, **kwargs):
+        with open(path, "wb") as partial:
+            partial.write(b"half a file")
+        raise OSError("disk full (simulated)")
+
+    model._keras_model.save_weights = broken_write
+    try:
+        model.save_weights(target)
+        error = None
+    except OSError as raised:
+        error = str(raised)
+    return {"error": error, "unchanged": open(target, "rb").read() == before,
+            "files": sorted(os.listdir(folder))}
+
+
+def batch_options(out):
+    """tnt_micro_batch_size, tnt_validation_micro_batch_size, NumPy, dicts, PyDataset."""
+    size = tnt.get_size()
+    micro = 16
+    x, y = arrays()
+    val_x, val_y = arrays(40, seed=1)
+    results = {}
+
+    serial, model = pair()
+    expected = serial.fit(dataset(x, y, micro * size), validation_data=dataset(val_x, val_y, 8 * size),
+                          epochs=2, verbose=0)
+    unbatched = tf.data.Dataset.from_tensor_slices((x, y))
+    got = model.fit(unbatched, validation_data=tf.data.Dataset.from_tensor_slices((val_x, val_y)), epochs=2,
+                    verbose=0, tnt_micro_batch_size=micro, tnt_validation_micro_batch_size=8)
+    results["micro_batch_fit"] = [weights_difference(model, serial), got.history, expected.history]
+    results["micro_batch_batched"] = model.evaluate(dataset(x, y, micro * size), verbose=0,
+                                                    tnt_micro_batch_size=micro)
+    results["micro_batch_evaluate"] = [model.evaluate(unbatched, verbose=0, tnt_micro_batch_size=micro),
+                                       serial.evaluate(dataset(x, y, micro * size), verbose=0)]
+    predicted = model.predict(tf.data.Dataset.from_tensor_slices(x), verbose=0, tnt_micro_batch_size=micro)
+    results["micro_batch_predict"] = float(np.max(np.abs(predicted - serial.predict(x, verbose=0))))
+    try:
+        model.fit(dataset(x, y, 50), verbose=0, tnt_micro_batch_size=micro)
+        results["inconsistent_error"] = None
+    except ValueError as error:
+        results["inconsistent_error"] = str(error)
+
+    serial, model = pair()
+    expected = serial.fit(x, y, batch_size=32, epochs=2, shuffle=False, validation_split=0.2, verbose=0)
+    got = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, validation_split=0.2, verbose=0)
+    results["numpy_fit"] = [weights_difference(model, serial), got.history, expected.history]
+    results["numpy_evaluate"] = [model.evaluate(x, y, batch_size=50, verbose=0),
+                                 serial.evaluate(x, y, batch_size=50, verbose=0)]
+    results["numpy_predict"] = float(np.max(np.abs(model.predict(x, batch_size=40, verbose=0) -
+                                                   serial.predict(x, batch_size=40, verbose=0))))
+
+    def dict_model():
+        keras.utils.set_random_seed(3)
+        inputs = {"a": keras.Input((5,), name="a"), "b": keras.Input((3,), name="b")}
+        merged = keras.layers.Concatenate()([inputs["a"], inputs["b"]])
+        return keras.Model(inputs, keras.layers.Dense(CLASSES, activation="softmax")(merged))
+
+    features = {"a": x[:, :5], "b": x[:, 5:]}
+    serial, model = compiled(dict_model()), compiled(tnt.Model(dict_model()))
+    serial.fit(features, y, batch_size=27, epochs=2, shuffle=False, verbose=0)
+    model.fit(features, y, batch_size=27, epochs=2, shuffle=False, verbose=0)
+    results["dict_fit"] = weights_difference(model, serial)
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 5
+
+        def __getitem__(self, index):
+            rows = slice(index * 30, min(index * 30 + 30, SAMPLES))
+            return x[rows], y[rows]
+
+    serial, model = pair()
+    expected = serial.fit(Batches(), epochs=2, shuffle=False, verbose=0)
+    got = model.fit(Batches(), epochs=2, shuffle=False, verbose=0)
+    results["pydataset_fit"] = [weights_difference(model, serial), got.history, expected.history]
+    results["pydataset_evaluate"] = [model.evaluate(Batches(), verbose=0), serial.evaluate(Batches(), verbose=0)]
+    results["pydataset_predict"] = float(np.max(np.abs(model.predict(Batches(), verbose=0) -
+                                                       serial.predict(Batches(), verbose=0))))
+    return results
+
+
+def manual_sharding(out):
+    """Each rank passes its own shard, batched with the micro-batch size."""
+    rank, size = tnt.get_rank(), tnt.get_size()
+    x, y = arrays(128)
+    serial, model = pair()
+    serial.fit(dataset(x, y, 32), epochs=2, verbose=0)
+    shard = tf.data.Dataset.from_tensor_slices((x, y)).shard(size, rank).batch(32 // size)
+    model.fit(shard, validation_data=shard, epochs=2, verbose=0, tnt_distribute_dataset=False,
+              tnt_distribute_validation_dataset=False)
+    return {"weights_difference": weights_difference(model, serial)}
+
+
+def manual_sharding_uneven(out):
+    rank, size = tnt.get_rank(), tnt.get_size()
+    x, y = arrays(128)
+    _, model = pair()
+    uneven = tf.data.Dataset.from_tensor_slices((x, y)).take(96 + 32 * rank).batch(32)
+    model.fit(uneven, epochs=1, verbose=0, tnt_distribute_dataset=False)
+    return {}
+
+
+def batch_normalization_warning(out):
+    x, y = arrays()
+    model = compiled(tnt.Model(build(batch_normalization=True)))
+    model.fit(dataset(x, y, 16), epochs=1, verbose=0)
+    model.fit(dataset(x, y, 16), epochs=1, verbose=0)
+    large = compiled(tnt.Model(build(batch_normalization=True)))
+    large.fit(dataset(x, y, 32 * tnt.get_size()), epochs=1, verbose=0)
+    return {}
+
+
+def shared_layers(out):
+    """The manual's pattern: train a tnt.Model, predict with a serial model built from its layers."""
+    x, y = arrays()
+
+    def models():
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((FEATURES,))
+        body = keras.layers.Dense(16, activation="relu")
+        head = keras.layers.Dense(CLASSES, activation="softmax")
+        features = body(inputs)
+        inference = keras.Model(inputs, features)
+        return compiled(keras.Model(inputs, head(features))), inference
+
+    serial_training, serial_inference = models()
+    serial_training.fit(dataset(x, y, 32), epochs=2, verbose=0)
+    training, inference = models()
+    compiled(tnt.Model(training)).fit(dataset(x, y, 32), epochs=2, verbose=0)
+    return {"difference": float(np.max(np.abs(inference.predict(x, verbose=0) -
+                                              serial_inference.predict(x, verbose=0))))}
+
+
+SCENARIOS = {function.__name__: function for function in (
+    deciding_callbacks, terminate_on_nan, writing_callbacks, custom_callbacks, wrapper_errors,
+    save_and_resume, configs_and_weights, failed_save, batch_options, manual_sharding,
+    manual_sharding_uneven, batch_normalization_warning, shared_layers)}
+
+
+def main():
+    name, out = sys.argv[1], sys.argv[2]
+    result = SCENARIOS[name](out)
+    with open(os.path.join(out, f"{name}.rank{tnt.get_rank()}.json"), "w") as file:
+        json.dump(result, file, default=lambda value: np.asarray(value).tolist())
+
+
+if __name__ == "__main__":
+    main()
