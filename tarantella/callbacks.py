@@ -124,22 +124,42 @@ class Callback(keras.callbacks.Callback):
 class _MastersBackupAndRestore(Callback):
     """BackupAndRestore: every rank restores the backup (all must resume alike), the master saves."""
 
-    def __init__(self, callback):
-        super().__init__(callback)
-
     def on_train_begin(self, logs=None):
         self.callback.on_train_begin(logs)
 
     def _call(self, hook, *args, logs=None, local_logs=None):
-        if communication.init().rank == communication.MASTER_RANK:
+        if self.model._comm.rank == communication.MASTER_RANK:
             with saving.master_alone():
                 getattr(self.callback, hook)(*args, logs=logs)
 
 
-def for_this_rank(callbacks, rank):
-    """The callbacks this rank passes to Keras, each set up to run where it should.
+class _WaitForMaster(keras.callbacks.Callback):
+    """Last in the list on every rank: after each epoch and at the end, all ranks wait until the
+    master's own callbacks are done, so the checkpoints and logs they wrote are complete."""
 
-    Returns (callbacks, whether the master runs some alone, so ranks must wait for it at the end)."""
+    def __init__(self, comm):
+        super().__init__()
+        self._comm = comm
+
+    def _wait(self, moment):
+        self._comm.allgather(None, f"the wait for the master's callbacks ({moment})")
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._wait(f"end of epoch {epoch + 1}")
+
+    def on_train_end(self, logs=None):
+        self._wait("end of fit")
+
+    def on_test_end(self, logs=None):
+        self._wait("end of evaluation")
+
+    def on_predict_end(self, logs=None):
+        self._wait("end of predict")
+
+
+def for_this_rank(callbacks, comm):
+    """The callbacks this rank passes to Keras, each set up to run where it should."""
+    rank = comm.rank
     chosen, master_alone = [], False
     for callback in callbacks or []:
         wrapped = callback if isinstance(callback, Callback) else Callback(callback)
@@ -161,7 +181,9 @@ def for_this_rank(callbacks, rank):
             if rank == communication.MASTER_RANK:
                 needs_wrapper = not wrapped.aggregate_logs or not isinstance(inner, _PRINTING_OR_WRITING)
                 chosen.append(wrapped if needs_wrapper else inner)
-    return chosen, master_alone
+    if master_alone and comm.size > 1:
+        chosen.append(_WaitForMaster(comm))
+    return chosen
 
 
 def _distributed(model):

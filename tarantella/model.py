@@ -191,7 +191,7 @@ class Model(keras.Model):
         if self._distributed:
             self._prepare(x.element_spec, compiled_state=True)
             self._warn_small_batch_normalization_batches(x)
-        callbacks, master_alone = self._callbacks_for_this_rank(callbacks)
+        callbacks = self._callbacks_for_this_rank(callbacks)
         with self._keras_output_on_master_only():
             history = super().fit(
                 x, epochs=epochs, verbose=self._verbosity(verbose), callbacks=callbacks,
@@ -199,7 +199,6 @@ class Model(keras.Model):
                 steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
                 validation_freq=validation_freq)
         self._use_masters_statistics()
-        self._wait_for_master(master_alone)
         return history
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
@@ -222,12 +221,10 @@ class Model(keras.Model):
         if self._distributed:
             self._prepare(x.element_spec, compiled_state=True)
             self._use_masters_statistics()
-        callbacks, master_alone = self._callbacks_for_this_rank(callbacks)
+        callbacks = self._callbacks_for_this_rank(callbacks)
         with self._keras_output_on_master_only():
-            result = super().evaluate(x, verbose=self._verbosity(verbose), steps=steps, callbacks=callbacks,
-                                      return_dict=return_dict, **kwargs)
-        self._wait_for_master(master_alone)
-        return result
+            return super().evaluate(x, verbose=self._verbosity(verbose), steps=steps, callbacks=callbacks,
+                                    return_dict=return_dict, **kwargs)
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None,
                 tnt_micro_batch_size=None):
@@ -236,11 +233,9 @@ class Model(keras.Model):
         if self._distributed:
             self._prepare(x.element_spec, compiled_state=False)
             self._use_masters_statistics()
-        callbacks, master_alone = self._callbacks_for_this_rank(callbacks)
+        callbacks = self._callbacks_for_this_rank(callbacks)
         with self._keras_output_on_master_only():
-            result = super().predict(x, verbose=self._verbosity(verbose), steps=steps, callbacks=callbacks)
-        self._wait_for_master(master_alone)
-        return result
+            return super().predict(x, verbose=self._verbosity(verbose), steps=steps, callbacks=callbacks)
 
     # -- the distributed steps --------------------------------------------------------
 
@@ -430,20 +425,15 @@ class Model(keras.Model):
                 "same number of batches (e.g. shard, then take()), or pass the steps argument.")
 
     def _callbacks_for_this_rank(self, user_callbacks):
-        chosen, master_alone = callbacks_module.for_this_rank(user_callbacks, self._comm.rank)
+        chosen = callbacks_module.for_this_rank(user_callbacks, self._comm)
         wants_local = any(isinstance(c, callbacks_module.Callback) and not c.aggregate_logs for c in chosen)
         if self._distributed:
             self._track_local_metrics(wants_local)
-        return chosen, master_alone and self._distributed
+        return chosen
 
     def _verbosity(self, verbose):
         on_master = self._comm.rank == communication.MASTER_RANK
         return verbose if on_master or config.output_on_all_devices() else 0
-
-    def _wait_for_master(self, master_alone):
-        """Callbacks that ran on the master alone may have written files: all wait until they did."""
-        if master_alone:
-            self._comm.allgather(None, "the wait for the master's callbacks to finish")
 
     def _warn_small_batch_normalization_batches(self, dataset):
         if self._warned_batch_normalization:

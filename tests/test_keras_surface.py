@@ -112,6 +112,15 @@ def test_contradictory_wrapper_settings_are_refused(tmp_path):
         assert "wraps a keras.callbacks.Callback" in errors[4]
 
 
+def test_backup_and_restore_resumes_every_rank_at_the_failed_epoch(tmp_path):
+    results, _ = run("backup_and_restore", tmp_path)
+    for result in results:
+        assert result["backup_files"] == ["latest.weights.h5", "training_metadata.json"]
+        assert result["epochs_run_after_restore"] == 2  # epochs 3 and 4 of 4
+        assert result["difference"] <= 1e-6  # equal to the uninterrupted run (Adam state restored)
+        assert result["backup_removed"]
+
+
 # -- saving and loading -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("ranks", [1, 2])

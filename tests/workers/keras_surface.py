@@ -199,6 +199,32 @@ def wrapper_errors(out):
     return {"errors": errors}
 
 
+def backup_and_restore(out):
+    """A fit that fails at the start of epoch 3 on every rank, then a new process state resumes it."""
+    x, y = arrays()
+    backup = os.path.join(out, "backup")
+
+    class FailAtEpoch(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 2:
+                raise RuntimeError("simulated failure")
+
+    reference = compiled(tnt.Model(build()), 0.01, "adam")
+    reference.fit(dataset(x, y, 32), epochs=4, verbose=0)
+    interrupted = compiled(tnt.Model(build()), 0.01, "adam")
+    try:
+        interrupted.fit(dataset(x, y, 32), epochs=4, verbose=0,
+                        callbacks=[keras.callbacks.BackupAndRestore(backup), FailAtEpoch()])
+    except RuntimeError:
+        pass
+    backup_files = sorted(os.listdir(backup))
+    resumed = compiled(tnt.Model(build(seed=99)), 0.01, "adam")
+    history = resumed.fit(dataset(x, y, 32), epochs=4, verbose=0,
+                          callbacks=[keras.callbacks.BackupAndRestore(backup)])
+    return {"backup_files": backup_files, "epochs_run_after_restore": len(history.history["loss"]),
+            "difference": weights_difference(resumed, reference), "backup_removed": not os.path.exists(backup)}
+
+
 def save_and_resume(out):
     """Whole-model and weights-only saves in the middle of training; Adam, so optimizer state counts."""
     x, y = arrays()
@@ -401,7 +427,7 @@ def shared_layers(out):
 
 SCENARIOS = {function.__name__: function for function in (
     deciding_callbacks, terminate_on_nan, writing_callbacks, custom_callbacks, wrapper_errors,
-    save_and_resume, configs_and_weights, failed_save, batch_options, manual_sharding,
+    backup_and_restore, save_and_resume, configs_and_weights, failed_save, batch_options, manual_sharding,
     manual_sharding_uneven, batch_normalization_warning, shared_layers)}
 
 

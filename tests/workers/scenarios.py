@@ -92,7 +92,9 @@ def bad_inputs():
     model = compiled()
     x, y = np.zeros((8, 6), np.float32), np.zeros(8)
     report_errors({
-        "numpy input": lambda: model.fit(x, y, verbose=0),
+        "generator input": lambda: model.fit((sample for sample in zip(x, y)), verbose=0),
+        "numpy with a wrong micro-batch": lambda: model.fit(x, y, batch_size=5, tnt_micro_batch_size=4,
+                                                            verbose=0),
         "batch_size with dataset": lambda: model.fit(dataset(), batch_size=16, verbose=0),
         "unbatched dataset": lambda: model.fit(dataset().unbatch(), verbose=0),
     })
