@@ -406,7 +406,10 @@ def _run(command, environment):
     env.update(environment)
     child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
+    interrupted = []
+
     def forward(signum, _frame):
+        interrupted.append(signum)
         child.send_signal(signum)  # the MPI launcher stops every rank on every host
 
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -419,6 +422,9 @@ def _run(command, environment):
     status = child.wait()
     for pump in pumps:
         pump.join()
+    if interrupted:
+        sys.stderr.write(f"tarantella: stopped every rank on {signal.Signals(interrupted[0]).name}.\n")
+        return 128 + interrupted[0]
     if status == 0:
         return 0
     code = 128 - status if status < 0 else status
