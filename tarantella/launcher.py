@@ -528,7 +528,8 @@ def _stop_processes_here(signal_name, program):
                 arguments = file.read().decode(errors="replace").split("\0")
         except OSError:  # it ended meanwhile
             continue
-        if any(os.path.basename(argument) == name for argument in arguments if argument):
+        # Other hosts' helpers of the same cleanup are spared (hosts that share /proc see them).
+        if _STOP_HERE not in arguments and any(os.path.basename(argument) == name for argument in arguments):
             matching.append(int(entry))
     for pid in matching:
         try:
