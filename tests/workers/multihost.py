@@ -1,5 +1,7 @@
-"""Run by the multi-host test on "hosts" that are network namespaces: each rank tells which
-network namespace it is in, the GREETING it got and how many ranks share its node, then trains like train_cases.py."""
+"""Run by the multi-host test on "hosts" that are network namespaces.
+
+Each rank tells its network namespace, the GREETING it got and how many ranks share its
+node, then trains the given cases of train_cases.py."""
 
 import os
 import sys
