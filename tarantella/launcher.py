@@ -57,11 +57,11 @@ def main(argv=None):
         return _stop_processes_here(argv[1], argv[2])
     options, program = _parse(argv)
     try:
-        mpiexec = _find_mpiexec()
-        flavour = _mpi_flavour(mpiexec)
         hosts = _hosts(options)
         if options.cleanup:
-            return _cleanup(options, program, hosts, mpiexec, flavour)
+            return _cleanup(options, program, hosts)
+        mpiexec = _find_mpiexec()
+        flavour = _mpi_flavour(mpiexec)
         placement = place_ranks(options, hosts, count_gpus())
         command, environment = build_command(options, program, placement, mpiexec, flavour)
     except LaunchError as error:
@@ -276,7 +276,7 @@ def place_ranks(options, hosts, gpus):
     elif 0 < gpus < per_node and not options.no_gpu:
         warnings.append(f"{per_node} ranks per node but only {gpus} GPU(s), so every rank runs on CPU. Use "
                         f"--n-per-node {gpus} to train on the GPUs; --no-gpu silences this warning.")
-    if (options.pin_to_socket or options.pin_memory_to_socket):
+    if options.pin_to_socket or options.pin_memory_to_socket:
         _check_numa_nodes(per_node)
     return Placement(hosts, per_node, use_gpu=bool(gpus) and gpus >= per_node and not options.no_gpu,
                      warnings=warnings)
@@ -439,7 +439,7 @@ class _OutputMonitor:
 
     def __init__(self):
         self.hosts = {}  # rank -> host
-        self.ranks_by_pid = {}  # (host, pid) -> rank
+        self.ranks_by_pid = {}  # pid -> {host: rank}
         self.recent = ""
         self._lock = threading.Lock()
 
@@ -460,7 +460,7 @@ class _OutputMonitor:
             if text.startswith(RANK_ANNOUNCEMENT):
                 rank, host, pid = text[len(RANK_ANNOUNCEMENT):].split()
                 self.hosts[int(rank)] = host
-                self.ranks_by_pid[(host, pid)] = int(rank)
+                self.ranks_by_pid.setdefault(pid, {})[host] = int(rank)
                 continue
             sys.stderr.buffer.write(line)
             sys.stderr.buffer.flush()
@@ -480,7 +480,7 @@ class _OutputMonitor:
         terminated = re.search(r"PID (\d+) RUNNING AT (\S+)\s*=\s*EXIT CODE: (\d+)", text)
         if terminated:
             pid, host, code = terminated.groups()
-            rank = self.ranks_by_pid.get((host, pid), self.ranks_by_pid.get((host.split(".")[0], pid), "?"))
+            rank = self._rank_of(pid, host)
             how = re.search(r"EXIT STRING: (.+)", text)
             return f"rank {rank} on host {host} (pid {pid}) ended: {how.group(1) if how else 'exit code ' + code}."
         killed = re.search(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)", text)
@@ -488,13 +488,26 @@ class _OutputMonitor:
             return f"rank {killed.group(1)} on host {killed.group(2)} was killed by signal {killed.group(3)}."
         return "see the ranks' messages above."
 
+    def _rank_of(self, pid, host):
+        # MPI names the host as the hostfile does (maybe an address), the rank by its host name.
+        candidates = self.ranks_by_pid.get(pid, {})
+        if host in candidates or host.split(".")[0] in candidates:
+            return candidates.get(host, candidates.get(host.split(".")[0]))
+        return next(iter(candidates.values())) if len(candidates) == 1 else "?"
+
 
 # -- cleanup -------------------------------------------------------------------------------------
 
-def _cleanup(options, program, hosts, mpiexec, flavour):
+def _cleanup(options, program, hosts):
     signal_name = "SIGKILL" if options.force else "SIGTERM"
     if not hosts:
+        if options.dry_run:
+            print(f"would send {signal_name} to your processes on this node whose command line names "
+                  f"{os.path.basename(program[0])}")
+            return 0
         return _stop_processes_here(signal_name, program[0])
+    mpiexec = _find_mpiexec()
+    flavour = _mpi_flavour(mpiexec)
     per_host = Placement(hosts, ranks_per_node=1, use_gpu=False, warnings=[])
     if flavour == "hydra":
         command = list(mpiexec) + ["-hosts", _hosts_with_slots(per_host), "-n", str(len(hosts))]

@@ -267,7 +267,8 @@ def test_cleanup_stops_a_running_job_and_force_kills_what_ignores_sigterm(tmp_pa
     sleeper = tmp_path / f"sleeper_{os.getpid()}.py"
     sleeper.write_text("import signal, sys, time\n"
                        "if 'stubborn' in sys.argv: signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                       "print('ready', flush=True)\ntime.sleep(300)\n")
+                       "import os; os.write(1, b'ready\\n')  # one write: the ranks' lines must not interleave\n"
+                       "time.sleep(300)\n")
     job = subprocess.Popen(launcher_command() + ["-n", "2", "--", str(sleeper)], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=clean_env())
     stubborn = subprocess.Popen([sys.executable, str(sleeper), "stubborn"], stdout=subprocess.PIPE, text=True)
@@ -339,3 +340,8 @@ def test_log_lines_come_from_the_master_unless_every_rank_is_asked_and_carry_the
     assert sorted(l for l in everywhere.stderr.splitlines() if "from rank" in l) == [
         "[tarantella rank 0] INFO: info from rank 0", "[tarantella rank 0] WARNING: warning from rank 0",
         "[tarantella rank 1] INFO: info from rank 1", "[tarantella rank 1] WARNING: warning from rank 1"]
+
+
+def test_cleanup_dry_run_on_this_node_stops_nothing():
+    output = dry_run("--cleanup", "--", "/some/where/train.py")
+    assert output == "would send SIGTERM to your processes on this node whose command line names train.py\n"
