@@ -555,8 +555,10 @@ def _stop_processes_here(signal_name, program):
         time.sleep(0.1)
         alive = [pid for pid in alive if _running(pid)]
     host = socket.gethostname()
-    print(f"tarantella: {host}: sent {signal_name} to {len(matching)} process(es) running {name}"
-          + (f"; still running: {alive}. Try --force." if alive else "."), flush=True)
+    # One write: the helpers of several hosts share the launcher's output, line by line.
+    sys.stdout.write(f"tarantella: {host}: sent {signal_name} to {len(matching)} process(es) running {name}"
+                     + (f"; still running: {alive}. Try --force.\n" if alive else ".\n"))
+    sys.stdout.flush()
     return 1 if alive else 0
 
 
