@@ -10,6 +10,7 @@ operation.
 import logging
 import os
 import queue
+import socket
 import sys
 import threading
 import time
@@ -224,8 +225,14 @@ def init():
     node.Free()
     _world = Communicator(world.Dup(), config.collective_timeout_s(), ring_allreduce)
     _configure_logging(_world.rank)
-    if _world.size > 1:
+    if config.announce_ranks():
+        # The line the `tarantella` command needs to name this rank's host should it fail.
+        from tarantella.launcher import RANK_ANNOUNCEMENT
+        sys.stderr.write(f"{RANK_ANNOUNCEMENT} {_world.rank} {socket.gethostname()} {os.getpid()}\n")
+        sys.stderr.flush()
+    if _world.size > 1 or not config.use_gpu():
         _configure_tensorflow(local_rank, local_size)
+    if _world.size > 1:
         _stop_all_ranks_on_uncaught_error(_world.rank)
     return _world
 
@@ -257,7 +264,7 @@ def _configure_logging(rank):
 
 
 def _configure_tensorflow(local_rank, local_size):
-    """Gives each rank its share of the node: one GPU if there are enough, else CPU threads."""
+    """Gives each rank its share of the node: its own GPU if there is one per rank, else CPU threads."""
     import tensorflow as tf
     threads = config.threads_per_rank()
     if threads is None and local_size > 1:
@@ -265,10 +272,15 @@ def _configure_tensorflow(local_rank, local_size):
         threads = max(1, len(os.sched_getaffinity(0)) // local_size)
     try:
         gpus = tf.config.list_physical_devices("GPU")
-        if gpus and local_size <= len(gpus):
+        if gpus and local_size <= len(gpus) and config.use_gpu():
             gpu = gpus[local_rank]
             tf.config.set_visible_devices([gpu], "GPU")
             tf.config.experimental.set_memory_growth(gpu, True)
+        elif gpus:  # ranks sharing GPUs would run out of memory; they train on CPU instead
+            tf.config.set_visible_devices([], "GPU")
+            if config.use_gpu():
+                logger.warning("%d ranks on this node but %d GPU(s): every rank runs on CPU.", local_size,
+                               len(gpus))
         if threads:
             tf.config.threading.set_intra_op_parallelism_threads(threads)
             tf.config.threading.set_inter_op_parallelism_threads(threads)
@@ -284,7 +296,8 @@ def _stop_all_ranks_on_uncaught_error(rank):
 
     def abort_job(exc_type, exc, tb):
         previous_hook(exc_type, exc, tb)
-        sys.stderr.write(f"tarantella: rank {rank} failed with {exc_type.__name__}; stopping all ranks.\n")
+        sys.stderr.write(f"tarantella: rank {rank} on host {socket.gethostname()} failed with "
+                         f"{exc_type.__name__}; stopping all ranks.\n")
         sys.stderr.flush()
         time.sleep(_ABORT_GRACE_S)  # ranks failing on the same bad input get to print their error too
         from mpi4py import MPI

@@ -73,6 +73,16 @@ def log_on_all_devices():
     return _flag("TNT_LOG_ON_ALL_DEVICES")
 
 
+def use_gpu():
+    """False where the launcher runs every rank on CPU (--no-gpu, or fewer GPUs than ranks)."""
+    return os.environ.get("TNT_USE_GPU", "").strip() == "" or _flag("TNT_USE_GPU")
+
+
+def announce_ranks():
+    """Set by the `tarantella` command, which names a failed rank's host from these announcements."""
+    return _flag("TNT_ANNOUNCE_RANKS")
+
+
 def log_level():
     level = os.environ.get("TNT_LOG_LEVEL", "WARNING").strip().upper()
     if level not in {"DEBUG", "INFO", "WARNING", "ERROR"}:

@@ -1,35 +1,89 @@
-"""The `tarantella` command: runs a program as N ranks through the MPI launcher in use.
+"""The `tarantella` command: runs a program as ranks on this node, the hosts of a hostfile,
+or a Slurm allocation, through the MPI launcher in use (Hydra's mpiexec, Open MPI's mpirun,
+or srun).
 
 It imports neither TensorFlow nor MPI, so `tarantella --help` and `--dry-run` answer at once.
 """
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
+from dataclasses import dataclass
 
 from tarantella import __version__
 
 USAGE = "tarantella [options] -- program.py [program arguments ...]"
+# Variables every rank on every host gets from the launcher's environment (Open MPI, unlike
+# Hydra, passes almost nothing on by itself).
+FORWARDED_PREFIXES = ("TNT_", "TF_", "KERAS_", "MPI4PY_")
+FORWARDED_NAMES = ("PYTHONPATH",)
+# Ranks started by this command announce "rank, host, pid" on stderr with this prefix; the
+# command keeps these lines to itself and uses them to name a failed rank and its host.
+RANK_ANNOUNCEMENT = "tarantella-rank-announcement:"
+# Each rank finds its index on the node here, to pick its NUMA node.
+LOCAL_RANK_VARIABLE = {"hydra": "MPI_LOCALRANKID", "openmpi": "OMPI_COMM_WORLD_LOCAL_RANK",
+                       "srun": "SLURM_LOCALID"}
+_CLEANUP_GRACE_S = 5.0
+_STOP_HERE = "_stop-processes-here"  # internal: what `--cleanup` runs on each host
+
+
+class LaunchError(Exception):
+    """A problem with the command line or this machine, explained with its fix."""
+
+
+@dataclass
+class Placement:
+    hosts: list  # empty: this node only
+    ranks_per_node: int
+    use_gpu: bool
+    warnings: list
+
+    @property
+    def ranks(self):
+        return self.ranks_per_node * max(1, len(self.hosts))
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == [_STOP_HERE]:
+        return _stop_processes_here(argv[1], argv[2])
     options, program = _parse(argv)
-    mpiexec = _find_mpiexec()
-    command, environment = build_command(options, program, mpiexec, _mpi_flavour(mpiexec))
+    try:
+        hosts = _hosts(options)
+        if options.cleanup:
+            return _cleanup(options, program, hosts)
+        mpiexec = _find_mpiexec()
+        flavour = _mpi_flavour(mpiexec)
+        placement = place_ranks(options, hosts, count_gpus())
+        command, environment = build_command(options, program, placement, mpiexec, flavour)
+    except LaunchError as error:
+        sys.stderr.write(f"tarantella: error: {error}\n")
+        return 2
+    if options.log_level != "ERROR":
+        for warning in placement.warnings:
+            sys.stderr.write(f"tarantella: WARNING: {warning}\n")
     if options.dry_run:
         print("command:")
         print("  " + shlex.join(command))
         print("environment (added for every rank, in this order):")
         for name, value in environment:
             print(f"  {name}={value}")
+        where = ", ".join(placement.hosts) if placement.hosts else "this node"
+        device = "GPU" if placement.use_gpu else "CPU"
+        print(f"ranks: {placement.ranks} ({placement.ranks_per_node} per node on {where}, {device})")
         return 0
     return _run(command, environment)
 
+
+# -- the command line ------------------------------------------------------------------------
 
 def _parse(argv):
     if "--" in argv:
@@ -39,9 +93,18 @@ def _parse(argv):
         own, program = argv, []
     parser = argparse.ArgumentParser(
         prog="tarantella", usage=USAGE,
-        description="Run a Keras program that uses tarantella on several ranks (processes).")
-    parser.add_argument("-n", dest="ranks", type=_positive_int, default=1, metavar="N",
-                        help="number of ranks to start on this node (default 1)")
+        description="Run a Keras program that uses tarantella on several ranks (processes), on this "
+                    "node, on the hosts of a hostfile, or in a Slurm allocation.")
+    parser.add_argument("-n", dest="ranks", type=_positive_int, metavar="N",
+                        help="number of ranks in all (default: one per GPU of each node, or one per node "
+                             "without GPUs)")
+    parser.add_argument("--hostfile", metavar="FILE",
+                        help="run on these hosts: one unique host name per line (default: this node, or "
+                             "the nodes of the Slurm allocation)")
+    parser.add_argument("--n-per-node", "--devices-per-node", "--npernode", dest="n_per_node",
+                        type=_positive_int, metavar="N", help="ranks on each node")
+    parser.add_argument("--no-gpu", action="store_true",
+                        help="run every rank on CPU, even where GPUs exist (and do not warn about GPUs)")
     parser.add_argument("-x", dest="variables", action="extend", nargs="+", default=[],
                         metavar="VAR=VALUE", help="set an environment variable on every rank; repeatable, "
                                                   "order kept")
@@ -54,6 +117,19 @@ def _parse(argv):
                         help="tarantella's log level (default WARNING)")
     parser.add_argument("--log-on-all-devices", action="store_true",
                         help="log on every rank, each line tagged with its rank (default: master only)")
+    parser.add_argument("--pin-to-socket", action="store_true",
+                        help="bind each rank of a node to its own NUMA node (socket) with numactl; memory "
+                             "comes preferably from that socket")
+    parser.add_argument("--pin-memory-to-socket", action="store_true",
+                        help="allocate each rank's memory only on its own NUMA node (numactl --membind)")
+    parser.add_argument("--python-interpreter", metavar="CMD",
+                        help="command that runs the program, e.g. 'valgrind --tool=memcheck python'; "
+                             "'' runs the program itself (a binary). Default: this Python for .py files")
+    parser.add_argument("--cleanup", action="store_true",
+                        help="stop the processes of yours that run the named program, on every host, "
+                             "and exit")
+    parser.add_argument("--force", action="store_true",
+                        help="with --cleanup: kill at once (SIGKILL) instead of asking to stop (SIGTERM)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the command and environment that would run, and exit")
     parser.add_argument("--version", action="version", version=f"tarantella {__version__}")
@@ -61,6 +137,8 @@ def _parse(argv):
     for assignment in options.variables:
         if "=" not in assignment or assignment.startswith("="):
             parser.error(f"-x expects VAR=VALUE, got {assignment!r}")
+    if options.force and not options.cleanup:
+        parser.error("--force only goes with --cleanup, e.g. tarantella --cleanup --force -- train.py")
     if not program:
         parser.error("name the program after '--', e.g. tarantella -n 2 -- train.py")
     return options, program
@@ -86,27 +164,208 @@ def _kilobytes(text):
     return text
 
 
-def build_command(options, program, mpiexec, flavour):
-    """The mpiexec command line and the variables it hands to every rank."""
-    environment = [("PYTHONUNBUFFERED", "1")]
-    if options.fusion_threshold is not None:
-        environment.append(("TNT_FUSION_THRESHOLD", options.fusion_threshold))
-    if options.output_on_all_devices:
-        environment.append(("TNT_OUTPUT_ON_ALL_DEVICES", "true"))
-    if options.log_level:
-        environment.append(("TNT_LOG_LEVEL", options.log_level))
-    if options.log_on_all_devices:
-        environment.append(("TNT_LOG_ON_ALL_DEVICES", "true"))
-    environment += [tuple(assignment.split("=", 1)) for assignment in options.variables]
+# -- where the ranks go ------------------------------------------------------------------------
 
-    command = list(mpiexec) + ["-n", str(options.ranks)]
-    for name, value in environment:
-        if flavour == "hydra":
+def _hosts(options):
+    """The hostfile's hosts, else the Slurm allocation's nodes, else [] (this node)."""
+    if options.hostfile:
+        return read_hostfile(options.hostfile)
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    return expand_slurm_nodelist(nodelist) if nodelist else []
+
+
+def read_hostfile(path):
+    try:
+        with open(path) as file:
+            lines = file.read().splitlines()
+    except OSError as error:
+        raise LaunchError(f"cannot read the hostfile {path!r}: {error.strerror}.") from None
+    hosts = []
+    for number, line in enumerate(lines, 1):
+        name = line.split("#", 1)[0].strip()
+        if not name:
+            continue
+        if len(name.split()) > 1 or ":" in name:
+            raise LaunchError(f"{path}, line {number}: {line.strip()!r} is not a host name. Write one host "
+                              "name per line and give the ranks per node with --n-per-node.")
+        if name in hosts:
+            raise LaunchError(f"{path}, line {number}: host {name!r} is listed twice. Name each host once "
+                              "and give the ranks per node with --n-per-node.")
+        hosts.append(name)
+    if not hosts:
+        raise LaunchError(f"the hostfile {path!r} names no host. Write one host name per line.")
+    return hosts
+
+
+def expand_slurm_nodelist(nodelist):
+    """'node[01-03,07],gpu1' -> ['node01', 'node02', 'node03', 'node07', 'gpu1']."""
+    names = []
+    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist):
+        expanded = [""]
+        for text, ranges in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", item):
+            choices = [text + number for number in _expand_ranges(ranges, nodelist)] if ranges else [text]
+            expanded = [prefix + choice for prefix in expanded for choice in choices]
+        names += expanded
+    return names
+
+
+def _expand_ranges(ranges, nodelist):
+    numbers = []
+    for part in ranges.split(","):
+        first, _, last = part.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise LaunchError(f"cannot read the Slurm node list {nodelist!r}; give the hosts with --hostfile.")
+        numbers += [str(n).zfill(len(first)) for n in range(int(first), int(last or first) + 1)]
+    return numbers
+
+
+def _slurm_ranks_per_node():
+    """Slurm's tasks per node when every node has the same number, else None."""
+    if os.environ.get("SLURM_NTASKS_PER_NODE"):
+        return int(os.environ["SLURM_NTASKS_PER_NODE"])
+    counts = set()
+    for entry in os.environ.get("SLURM_TASKS_PER_NODE", "").split(","):  # e.g. "2(x3),2"
+        match = re.fullmatch(r"(\d+)(?:\(x\d+\))?", entry)
+        if match:
+            counts.add(int(match.group(1)))
+    return counts.pop() if len(counts) == 1 else None
+
+
+def count_gpus():
+    """GPUs of this node, found without TensorFlow; the nodes of a job are taken to be alike."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = 0
+        for device in visible.split(","):  # CUDA ignores everything from the first invalid entry on
+            if not device.strip() or device.strip().startswith("-"):
+                break
+            count += 1
+        return count
+    if shutil.which("nvidia-smi"):
+        try:
+            listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+            return sum(line.startswith("GPU ") for line in listing.splitlines())
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def place_ranks(options, hosts, gpus):
+    """How many ranks run on each node, and whether they use GPUs."""
+    nodes = max(1, len(hosts))
+    per_node = options.n_per_node
+    if options.ranks is not None:
+        if per_node is not None and per_node * nodes != options.ranks:
+            raise LaunchError(f"-n {options.ranks} does not equal --n-per-node {per_node} x {nodes} node(s). "
+                              "Give only one of them.")
+        if options.ranks % nodes:
+            raise LaunchError(f"-n {options.ranks} ranks cannot be spread evenly over {nodes} nodes. Give a "
+                              "multiple of the node count, or --n-per-node.")
+        per_node = options.ranks // nodes
+    if per_node is None and hosts and not options.hostfile:
+        per_node = _slurm_ranks_per_node()
+    warnings = []
+    if per_node is None:
+        per_node = gpus or 1
+        if not gpus and not options.no_gpu:
+            warnings.append("no GPU found, so one rank per node runs on CPU. Choose the number of ranks with "
+                            "-n or --n-per-node; --no-gpu silences this warning.")
+    elif 0 < gpus < per_node and not options.no_gpu:
+        warnings.append(f"{per_node} ranks per node but only {gpus} GPU(s), so every rank runs on CPU. Use "
+                        f"--n-per-node {gpus} to train on the GPUs; --no-gpu silences this warning.")
+    if options.pin_to_socket or options.pin_memory_to_socket:
+        _check_numa_nodes(per_node)
+    return Placement(hosts, per_node, use_gpu=bool(gpus) and gpus >= per_node and not options.no_gpu,
+                     warnings=warnings)
+
+
+def _check_numa_nodes(per_node):
+    if not shutil.which("numactl"):
+        raise LaunchError("--pin-to-socket and --pin-memory-to-socket need numactl, which is not on PATH. "
+                          "Install it (e.g. apt-get install numactl) on every node, or leave out the flags.")
+    hardware = subprocess.run(["numactl", "--hardware"], capture_output=True, text=True).stdout
+    match = re.search(r"available: (\d+) nodes", hardware)
+    numa_nodes = int(match.group(1)) if match else 1
+    if numa_nodes < per_node:
+        raise LaunchError(f"cannot pin {per_node} ranks per node to sockets: this node has {numa_nodes} NUMA "
+                          f"node(s). Run at most {numa_nodes} rank(s) per node (--n-per-node), or leave out "
+                          "the pinning flags.")
+
+
+# -- the command -------------------------------------------------------------------------------
+
+def build_command(options, program, placement, mpiexec, flavour):
+    """The launcher command line and the variables it hands to every rank."""
+    environment = {"PYTHONUNBUFFERED": "1"}
+    for name in sorted(os.environ):
+        if name in FORWARDED_NAMES or name.startswith(FORWARDED_PREFIXES):
+            environment[name] = os.environ[name]
+    settings = [("TNT_FUSION_THRESHOLD", options.fusion_threshold),
+                ("TNT_OUTPUT_ON_ALL_DEVICES", "true" if options.output_on_all_devices else None),
+                ("TNT_LOG_LEVEL", options.log_level),
+                ("TNT_LOG_ON_ALL_DEVICES", "true" if options.log_on_all_devices else None),
+                ("TNT_USE_GPU", None if placement.use_gpu else "false"),
+                ("TNT_ANNOUNCE_RANKS", "true")]
+    settings += [tuple(assignment.split("=", 1)) for assignment in options.variables]
+    for name, value in settings:
+        if value is not None:
+            environment.pop(name, None)  # a later setting wins and takes its place in the order
+            environment[name] = value
+    environment = list(environment.items())
+
+    if flavour == "hydra":
+        command = list(mpiexec) + (["-hosts", _hosts_with_slots(placement)] if placement.hosts else [])
+        command += ["-n", str(placement.ranks)]
+        for name, value in environment:
             command += ["-genv", name, value]
-        elif flavour == "openmpi":
+    elif flavour == "openmpi":
+        command = list(mpiexec) + (["--host", _hosts_with_slots(placement)] if placement.hosts else [])
+        command += ["-n", str(placement.ranks)]
+        for name, value in environment:
             command += ["-x", f"{name}={value}"]
-    runs_python = program[0].endswith(".py")
-    return command + ([sys.executable] if runs_python else []) + program, environment
+    elif flavour == "srun":
+        command = list(mpiexec) + [f"--ntasks={placement.ranks}", f"--ntasks-per-node={placement.ranks_per_node}",
+                                   "--kill-on-bad-exit=1"]
+        if placement.hosts:
+            command += [f"--nodes={len(placement.hosts)}", "--nodelist=" + ",".join(placement.hosts)]
+        # srun's --export cannot carry values with commas; env can carry anything.
+        command += ["env"] + [f"{name}={value}" for name, value in environment]
+    elif placement.hosts:
+        raise LaunchError(f"{shlex.join(mpiexec)} is neither Hydra (MPICH, Intel MPI, MVAPICH), Open MPI nor "
+                          "srun, so tarantella cannot tell it the hosts. Name a known launcher with "
+                          "TNT_MPIEXEC, or run it yourself (see docs/running.md).")
+    else:
+        command = list(mpiexec) + ["-n", str(placement.ranks)]  # variables reach the ranks by inheritance
+    return command + _pinning(options, flavour) + _rank_command(options, program), environment
+
+
+def _hosts_with_slots(placement):
+    return ",".join(f"{host}:{placement.ranks_per_node}" for host in placement.hosts)
+
+
+def _pinning(options, flavour):
+    """A shell prefix that runs each rank under numactl on the NUMA node numbered as its local rank."""
+    if not (options.pin_to_socket or options.pin_memory_to_socket):
+        return []
+    local_rank = "$" + LOCAL_RANK_VARIABLE.get(flavour, "MPI_LOCALRANKID")
+    binding = [f"--cpunodebind={local_rank}"] if options.pin_to_socket else []
+    binding.append(f"--membind={local_rank}" if options.pin_memory_to_socket else f"--preferred={local_rank}")
+    return ["sh", "-c", f'exec numactl {" ".join(binding)} "$@"', "numactl-by-local-rank"]
+
+
+def _rank_command(options, program):
+    if options.python_interpreter is not None:
+        interpreter = shlex.split(options.python_interpreter)
+    else:
+        interpreter = [sys.executable] if program[0].endswith(".py") else []
+    if interpreter and program[0].endswith(".py"):
+        # mpi4py's runner turns an uncaught exception or sys.exit(non-zero) on one rank into
+        # MPI_Abort; otherwise that rank would wait in MPI_Finalize and the job would hang.
+        return interpreter + ["-m", "mpi4py"] + program
+    return interpreter + program
 
 
 def _find_mpiexec():
@@ -120,12 +379,12 @@ def _find_mpiexec():
     found = shutil.which("mpiexec") or shutil.which("mpirun")
     if found:
         return [found]
-    sys.exit("tarantella: no mpiexec found. Install an MPI (e.g. pip install 'tarantella[mpich]'), put "
-             "your MPI's bin directory on PATH, or name the launcher with TNT_MPIEXEC.")
+    raise LaunchError("no mpiexec found. Install an MPI (e.g. pip install 'tarantella[mpich]'), put your "
+                      "MPI's bin directory on PATH, or name the launcher with TNT_MPIEXEC.")
 
 
 def _mpi_flavour(mpiexec):
-    """'hydra' (MPICH, Intel MPI, MVAPICH), 'openmpi', or 'unknown' (variables then go by inheritance)."""
+    """'hydra' (MPICH, Intel MPI, MVAPICH), 'openmpi', 'srun' or 'unknown'."""
     try:
         banner = subprocess.run(list(mpiexec) + ["--version"], capture_output=True, text=True,
                                 timeout=30).stdout
@@ -135,26 +394,193 @@ def _mpi_flavour(mpiexec):
         return "hydra"
     if "Open MPI" in banner or "OpenRTE" in banner or "prterun" in banner:
         return "openmpi"
+    if banner.startswith("slurm"):
+        return "srun"
     return "unknown"
 
+
+# -- running and failures ----------------------------------------------------------------------
 
 def _run(command, environment):
     env = dict(os.environ)
     env.update(environment)
-    child = subprocess.Popen(command, env=env)
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    interrupted = []
 
     def forward(signum, _frame):
-        child.send_signal(signum)  # mpiexec stops every rank
+        interrupted.append(signum)
+        child.send_signal(signum)  # the MPI launcher stops every rank on every host
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, forward)
+    monitor = _OutputMonitor()
+    pumps = [threading.Thread(target=monitor.pass_on_stdout, args=(child.stdout,)),
+             threading.Thread(target=monitor.pass_on_stderr, args=(child.stderr,))]
+    for pump in pumps:
+        pump.start()
     status = child.wait()
-    if status != 0:
-        code = 128 - status if status < 0 else status
-        sys.stderr.write(f"tarantella: the job failed (exit status {code}); the failing rank reported "
-                         "above.\n")
-        return code
-    return 0
+    for pump in pumps:
+        pump.join()
+    if interrupted:
+        sys.stderr.write(f"tarantella: stopped every rank on {signal.Signals(interrupted[0]).name}.\n")
+        return 128 + interrupted[0]
+    if status == 0:
+        return 0
+    code = 128 - status if status < 0 else status
+    sys.stderr.write(f"tarantella: the job failed (exit status {code}): {monitor.failure()}\n")
+    return code
+
+
+class _OutputMonitor:
+    """Passes the ranks' output on unchanged, and keeps what names a failed rank."""
+
+    _KEPT_CHARACTERS = 1 << 16
+
+    def __init__(self):
+        self.hosts = {}  # rank -> host
+        self.ranks_by_pid = {}  # pid -> {host: rank}
+        self.recent = ""
+        self._lock = threading.Lock()
+
+    def _keep(self, text):
+        with self._lock:
+            self.recent = (self.recent + text)[-self._KEPT_CHARACTERS:]
+
+    def pass_on_stdout(self, stream):
+        # Raw chunks, not lines: progress bars redraw with '\r' and must appear as they come.
+        while chunk := os.read(stream.fileno(), 1 << 16):
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+            self._keep(chunk.decode(errors="replace"))
+
+    def pass_on_stderr(self, stream):
+        for line in stream:
+            text = line.decode(errors="replace")
+            if text.startswith(RANK_ANNOUNCEMENT):
+                rank, host, pid = text[len(RANK_ANNOUNCEMENT):].split()
+                self.hosts[int(rank)] = host
+                self.ranks_by_pid.setdefault(pid, {})[host] = int(rank)
+                continue
+            sys.stderr.buffer.write(line)
+            sys.stderr.buffer.flush()
+            self._keep(text)
+
+    def failure(self):
+        """Which rank failed, on which host, and how, as far as the output tells."""
+        text = self.recent
+        raised = re.search(r"tarantella: rank (\d+) on host (\S+) failed with (\w+)", text)
+        if raised:
+            return f"rank {raised.group(1)} on host {raised.group(2)} raised {raised.group(3)}."
+        aborted = re.search(r"Abort\((\d+)\) on node \d+ \(rank (\d+) in comm 0\)", text)
+        if aborted:
+            rank = int(aborted.group(2))
+            return f"rank {rank} on host {self.hosts.get(rank, '?')} exited with status {aborted.group(1)}."
+        # Hydra: "PID 123 RUNNING AT node7" then "EXIT CODE: 9" (a signal number when it was killed)
+        terminated = re.search(r"PID (\d+) RUNNING AT (\S+)\s*=\s*EXIT CODE: (\d+)", text)
+        if terminated:
+            pid, host, code = terminated.groups()
+            rank = self._rank_of(pid, host)
+            how = re.search(r"EXIT STRING: (.+)", text)
+            return f"rank {rank} on host {host} (pid {pid}) ended: {how.group(1) if how else 'exit code ' + code}."
+        killed = re.search(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)", text)
+        if killed:  # Open MPI
+            return f"rank {killed.group(1)} on host {killed.group(2)} was killed by signal {killed.group(3)}."
+        return "see the ranks' messages above."
+
+    def _rank_of(self, pid, host):
+        # MPI names the host as the hostfile does (maybe an address), the rank by its host name.
+        candidates = self.ranks_by_pid.get(pid, {})
+        if host in candidates or host.split(".")[0] in candidates:
+            return candidates.get(host, candidates.get(host.split(".")[0]))
+        return next(iter(candidates.values())) if len(candidates) == 1 else "?"
+
+
+# -- cleanup -------------------------------------------------------------------------------------
+
+def _cleanup(options, program, hosts):
+    signal_name = "SIGKILL" if options.force else "SIGTERM"
+    if not hosts:
+        if options.dry_run:
+            print(f"would send {signal_name} to your processes on this node whose command line names "
+                  f"{os.path.basename(program[0])}")
+            return 0
+        return _stop_processes_here(signal_name, program[0])
+    mpiexec = _find_mpiexec()
+    flavour = _mpi_flavour(mpiexec)
+    per_host = Placement(hosts, ranks_per_node=1, use_gpu=False, warnings=[])
+    if flavour == "hydra":
+        command = list(mpiexec) + ["-hosts", _hosts_with_slots(per_host), "-n", str(len(hosts))]
+    elif flavour == "openmpi":
+        command = list(mpiexec) + ["--host", _hosts_with_slots(per_host), "-n", str(len(hosts))]
+    elif flavour == "srun":
+        command = list(mpiexec) + [f"--nodes={len(hosts)}", f"--ntasks={len(hosts)}", "--ntasks-per-node=1",
+                                   "--nodelist=" + ",".join(hosts)]
+    else:
+        raise LaunchError(f"{shlex.join(mpiexec)} is an unknown MPI launcher, so --cleanup cannot reach the "
+                          "hosts. Name mpiexec, mpirun or srun with TNT_MPIEXEC.")
+    command += [sys.executable, "-m", "tarantella.launcher", _STOP_HERE, signal_name, program[0]]
+    if options.dry_run:
+        print("command:\n  " + shlex.join(command))
+        return 0
+    return subprocess.run(command).returncode
+
+
+def _stop_processes_here(signal_name, program):
+    """Signals this user's processes whose command line names `program`, except this one's ancestors."""
+    name = os.path.basename(program)
+    spared = _ancestors()
+    matching = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in spared:
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid != os.getuid():
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as file:
+                arguments = file.read().decode(errors="replace").split("\0")
+        except OSError:  # it ended meanwhile
+            continue
+        # Other hosts' helpers of the same cleanup are spared (hosts that share /proc see them).
+        if _STOP_HERE not in arguments and any(os.path.basename(argument) == name for argument in arguments):
+            matching.append(int(entry))
+    for pid in matching:
+        try:
+            os.kill(pid, getattr(signal, signal_name))
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + _CLEANUP_GRACE_S
+    alive = matching
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [pid for pid in alive if _running(pid)]
+    host = socket.gethostname()
+    # One write: the helpers of several hosts share the launcher's output, line by line.
+    sys.stdout.write(f"tarantella: {host}: sent {signal_name} to {len(matching)} process(es) running {name}"
+                     + (f"; still running: {alive}. Try --force.\n" if alive else ".\n"))
+    sys.stdout.flush()
+    return 1 if alive else 0
+
+
+def _ancestors():
+    pids, pid = set(), os.getpid()
+    while pid > 1:
+        pids.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as file:
+                pid = int(file.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            break
+    return pids
+
+
+def _running(pid):
+    """True until the process has ended (a zombie counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

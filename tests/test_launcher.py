@@ -1,43 +1,300 @@
 """The `tarantella` command: the command it builds, and what ranks see when it runs."""
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
-from conftest import WORKERS, assert_ok, launch, launcher_command, quiet_env, run_python
+from conftest import REPO, WORKERS, assert_ok, launch, launcher_command, quiet_env, run_python
 
 SCENARIOS = WORKERS / "scenarios.py"
 
 
-def dry_run(*arguments):
-    process = subprocess.run(launcher_command() + ["--dry-run", *arguments], capture_output=True,
-                             text=True, timeout=60)
+def clean_env(**extra):
+    """This environment without variables the launcher forwards, on a node without GPUs."""
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith(("TNT_", "TF_", "KERAS_", "MPI4PY_", "SLURM_")) and name != "PYTHONPATH"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env.update(extra)
+    return env
+
+
+def run_launcher(*arguments, env=None):
+    return subprocess.run(launcher_command() + list(arguments), capture_output=True, text=True, timeout=60,
+                          env=env or clean_env())
+
+
+def dry_run(*arguments, env=None):
+    process = run_launcher("--dry-run", *arguments, env=env)
     assert_ok(process)
     return process.stdout
 
 
+def command_of(output):
+    return output.splitlines()[1].strip()
+
+
+def environment_of(output):
+    lines = output.split("environment (added for every rank, in this order):\n")[1].splitlines()
+    return [line.strip() for line in lines if line.startswith("  ")]
+
+
+def refused(*arguments, env=None):
+    process = run_launcher(*arguments, env=env)
+    assert process.returncode == 2, process.stdout + process.stderr
+    return process.stderr
+
+
+def fake_tool(directory, name, script):
+    path = directory / name
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(0o755)
+    return path
+
+
 def test_dry_run_shows_the_exact_command_and_environment_in_order():
     output = dry_run("-n", "3", "-x", "B=2", "A=has space", "-x", "C=x=y", "--fusion-threshold", "8",
-                     "--output-on-all-devices", "--", "train.py", "--epochs", "2")
-    command = output.splitlines()[1]
+                     "--output-on-all-devices", "--log-level", "INFO", "--log-on-all-devices", "--",
+                     "train.py", "--epochs", "2")
+    command = command_of(output)
     assert " -n 3 " in command
-    assert re.search(r"/python[\d.]* train\.py --epochs 2$", command), command
+    assert re.search(r"/python[\d.]* -m mpi4py train\.py --epochs 2$", command), command
     assert "-genv TNT_FUSION_THRESHOLD 8" in command and "-genv A 'has space'" in command
-    environment = [line.strip() for line in output.split("environment")[1].splitlines()[1:]]
-    assert environment == ["PYTHONUNBUFFERED=1", "TNT_FUSION_THRESHOLD=8", "TNT_OUTPUT_ON_ALL_DEVICES=true",
-                           "B=2", "A=has space", "C=x=y"]
+    assert environment_of(output) == [
+        "PYTHONUNBUFFERED=1", "KERAS_BACKEND=tensorflow", "TNT_FUSION_THRESHOLD=8", "TNT_OUTPUT_ON_ALL_DEVICES=true", "TNT_LOG_LEVEL=INFO",
+        "TNT_LOG_ON_ALL_DEVICES=true", "TNT_USE_GPU=false", "TNT_ANNOUNCE_RANKS=true", "B=2", "A=has space",
+        "C=x=y"]
+    assert output.splitlines()[-1] == "ranks: 3 (3 per node on this node, CPU)"
+
+
+def test_python_path_and_tnt_tf_keras_mpi4py_variables_reach_every_host_flags_win():
+    env = clean_env(PYTHONPATH="/shared/lib", TNT_FUSION_THRESHOLD="64", TF_CPP_MIN_LOG_LEVEL="2",
+                    KERAS_HOME="/shared/keras", MPI4PY_LIBMPI="/opt/mpi/libmpi.so", UNRELATED="no")
+    environment = environment_of(dry_run("-n", "2", "--fusion-threshold", "8", "-x", "TF_CPP_MIN_LOG_LEVEL=0",
+                                         "--", "t.py", env=env))
+    # KERAS_BACKEND: `import tarantella` sets it to tensorflow in the launcher too
+    assert environment == ["PYTHONUNBUFFERED=1", "KERAS_BACKEND=tensorflow", "KERAS_HOME=/shared/keras", "MPI4PY_LIBMPI=/opt/mpi/libmpi.so",
+                           "PYTHONPATH=/shared/lib", "TNT_FUSION_THRESHOLD=8", "TNT_USE_GPU=false",
+                           "TNT_ANNOUNCE_RANKS=true", "TF_CPP_MIN_LOG_LEVEL=0"]
 
 
 def test_a_program_that_is_not_python_runs_as_it_is():
-    assert dry_run("-n", "2", "--", "hostname").splitlines()[1].endswith(" -n 2 -genv PYTHONUNBUFFERED 1 hostname")
+    assert command_of(dry_run("-n", "2", "--", "hostname")).endswith(" TNT_ANNOUNCE_RANKS true hostname")
+
+
+def test_python_interpreter_wraps_the_program_and_an_empty_one_runs_it_directly():
+    wrapped = command_of(dry_run("-n", "2", "--python-interpreter", "valgrind --leak-check=yes python3", "--",
+                                 "train.py", "-v"))
+    assert wrapped.endswith(" TNT_ANNOUNCE_RANKS true valgrind --leak-check=yes python3 -m mpi4py train.py -v")
+    direct = command_of(dry_run("-n", "2", "--python-interpreter", "", "--", "./tool.py", "-v"))
+    assert direct.endswith(" TNT_ANNOUNCE_RANKS true ./tool.py -v")
+
+
+def test_help_and_version_answer_at_once_without_tensorflow_or_mpi():
+    started = time.monotonic()
+    process = run_launcher("--help")
+    assert_ok(process)
+    assert time.monotonic() - started < 5
+    for flag in ["--hostfile", "--n-per-node", "--devices-per-node", "--npernode", "--no-gpu", "--pin-to-socket",
+                 "--pin-memory-to-socket", "--python-interpreter", "--cleanup", "--force", "--dry-run"]:
+        assert flag in process.stdout
+    probe = ("import sys; sys.argv = ['tarantella', '--version']\n"
+             "import tarantella.launcher\n"
+             "try:\n    tarantella.launcher.main()\nexcept SystemExit:\n    pass\n"
+             "print(sorted(m for m in ('tensorflow', 'keras', 'mpi4py.MPI') if m in sys.modules))")
+    imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert imported.stdout.splitlines() == [f"tarantella {tarantella_version()}", "[]"]
+
+
+def tarantella_version():
+    text = (REPO / "tarantella" / "__init__.py").read_text()
+    return re.search(r'__version__ = "([^"]+)"', text).group(1)
 
 
 def test_malformed_options_are_refused():
     for arguments, message in [(["-x", "NOVALUE", "--", "t.py"], "-x expects VAR=VALUE, got 'NOVALUE'"),
                                (["-n", "0", "--", "t.py"], "expects a whole number of ranks >= 1"),
+                               (["--n-per-node", "x", "--", "t.py"], "expects a whole number of ranks >= 1"),
+                               (["--log-level", "LOUD", "--", "t.py"], "invalid choice: 'LOUD'"),
+                               (["--force", "--", "t.py"], "--force only goes with --cleanup"),
                                (["-n", "2"], "name the program after '--'")]:
-        process = subprocess.run(launcher_command() + arguments, capture_output=True, text=True, timeout=60)
-        assert process.returncode == 2 and message in process.stderr
+        assert message in refused(*arguments)
+
+
+# -- hosts: hostfile and Slurm -------------------------------------------------------------------
+
+def test_hostfile_places_ranks_per_node_with_each_alias_of_n_per_node(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# our nodes\nnode-a\n\nnode-b  # the second\n")
+    for alias in ["--n-per-node", "--devices-per-node", "--npernode"]:
+        output = dry_run("--hostfile", str(hostfile), alias, "2", "--no-gpu", "--", "t.py")
+        assert " -hosts node-a:2,node-b:2 -n 4 " in command_of(output)
+        assert output.splitlines()[-1] == "ranks: 4 (2 per node on node-a, node-b, CPU)"
+    assert " -hosts node-a:3,node-b:3 -n 6 " in command_of(dry_run("--hostfile", str(hostfile), "-n", "6",
+                                                                   "--no-gpu", "--", "t.py"))
+
+
+def test_bad_hostfiles_and_rank_counts_are_refused_with_the_fix(tmp_path):
+    duplicates, empty, slots = tmp_path / "duplicates", tmp_path / "empty", tmp_path / "slots"
+    duplicates.write_text("node-a\nnode-b\nnode-a\n")
+    empty.write_text("# nothing yet\n\n")
+    slots.write_text("node-a slots=4\n")
+    good = tmp_path / "good"
+    good.write_text("node-a\nnode-b\n")
+    for arguments, message in [
+            (["--hostfile", str(duplicates)], f"{duplicates}, line 3: host 'node-a' is listed twice"),
+            (["--hostfile", str(empty)], f"the hostfile {str(empty)!r} names no host"),
+            (["--hostfile", str(slots)], "is not a host name. Write one host name per line and give the ranks "
+                                         "per node with --n-per-node"),
+            (["--hostfile", str(tmp_path / "missing")], "cannot read the hostfile"),
+            (["--hostfile", str(good), "-n", "3"], "-n 3 ranks cannot be spread evenly over 2 nodes"),
+            (["--hostfile", str(good), "-n", "4", "--n-per-node", "3"], "-n 4 does not equal --n-per-node 3 x 2")]:
+        stderr = refused(*arguments, "--", "t.py")
+        assert stderr.startswith("tarantella: error: ") and message in stderr, stderr
+
+
+def test_inside_slurm_the_allocation_gives_hosts_and_tasks_per_node(tmp_path):
+    slurm = clean_env(SLURM_JOB_ID="42", SLURM_JOB_NODELIST="node[01-03,07],gpu[1-2]-ib",
+                      SLURM_NTASKS_PER_NODE="2")
+    output = dry_run("--", "t.py", env=slurm)
+    assert " -hosts node01:2,node02:2,node03:2,node07:2,gpu1-ib:2,gpu2-ib:2 -n 12 " in command_of(output)
+    tasks_only = clean_env(SLURM_JOB_NODELIST="c[9-11]", SLURM_TASKS_PER_NODE="3(x3)")
+    assert " -hosts c9:3,c10:3,c11:3 -n 9 " in command_of(dry_run("--", "t.py", env=tasks_only))
+    assert " -hosts c9:1,c10:1,c11:1 -n 3 " in command_of(dry_run("--n-per-node", "1", "--", "t.py",
+                                                                  env=tasks_only))
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("mine\n")
+    assert " -hosts mine:1 -n 1 " in command_of(dry_run("--hostfile", str(hostfile), "--", "t.py", env=slurm))
+
+
+def test_srun_as_the_launcher_gets_tasks_nodes_and_variables_through_env(tmp_path):
+    srun = fake_tool(tmp_path, "srun", 'echo "slurm 23.11.4"\n')
+    env = clean_env(SLURM_JOB_NODELIST="n[1-2]", SLURM_NTASKS_PER_NODE="2", TNT_MPIEXEC=str(srun))
+    command = command_of(dry_run("-x", "DATA=/a,b", "--", "t.py", env=env))
+    assert command.startswith(f"{srun} --ntasks=4 --ntasks-per-node=2 --kill-on-bad-exit=1 --nodes=2 "
+                              "--nodelist=n1,n2 env PYTHONUNBUFFERED=1 ")
+    assert " DATA=/a,b " in command and command.endswith(" -m mpi4py t.py")
+
+
+# -- devices -------------------------------------------------------------------------------------
+
+NO_GPU_WARNING = "tarantella: WARNING: no GPU found, so one rank per node runs on CPU"
+
+
+def test_without_n_every_gpu_gets_a_rank_and_without_gpus_one_cpu_rank_warns(tmp_path):
+    fake_tool(tmp_path, "nvidia-smi", 'for i in 0 1 2 3; do echo "GPU $i: NVIDIA H100 (UUID: GPU-$i)"; done\n')
+    with_gpus = clean_env(PATH=f"{tmp_path}:{os.environ['PATH']}")
+    del with_gpus["CUDA_VISIBLE_DEVICES"]
+    process = run_launcher("--dry-run", "--", "t.py", env=with_gpus)
+    assert_ok(process)
+    assert " -n 4 " in command_of(process.stdout) and "TNT_USE_GPU" not in process.stdout
+    assert process.stdout.splitlines()[-1] == "ranks: 4 (4 per node on this node, GPU)"
+    assert "WARNING" not in process.stderr
+    visible = dict(with_gpus, CUDA_VISIBLE_DEVICES="2,3,-1,0")  # CUDA stops at the first invalid entry
+    assert " -n 2 " in command_of(dry_run("--", "t.py", env=visible))
+
+    process = run_launcher("--dry-run", "--", "t.py")  # no GPU
+    assert " -n 1 " in command_of(process.stdout) and "TNT_USE_GPU=false" in process.stdout
+    assert NO_GPU_WARNING in process.stderr
+    assert "WARNING" not in run_launcher("--dry-run", "--no-gpu", "--", "t.py").stderr
+    assert "WARNING" not in run_launcher("--dry-run", "-n", "2", "--", "t.py").stderr
+
+
+def test_more_ranks_than_gpus_run_on_cpu_with_a_warning_that_no_gpu_silences(tmp_path):
+    gpus = clean_env(CUDA_VISIBLE_DEVICES="0,1")
+    process = run_launcher("--dry-run", "-n", "4", "--", "t.py", env=gpus)
+    assert "TNT_USE_GPU=false" in process.stdout
+    assert "tarantella: WARNING: 4 ranks per node but only 2 GPU(s), so every rank runs on CPU" in process.stderr
+    quiet = run_launcher("--dry-run", "-n", "4", "--no-gpu", "--", "t.py", env=gpus)
+    assert "TNT_USE_GPU=false" in quiet.stdout and quiet.stderr == ""
+    on_cpu_anyway = run_launcher("--dry-run", "-n", "2", "--no-gpu", "--", "t.py", env=gpus)
+    assert "TNT_USE_GPU=false" in on_cpu_anyway.stdout
+    assert "TNT_USE_GPU" not in run_launcher("--dry-run", "-n", "2", "--", "t.py", env=gpus).stdout
+
+
+# -- pinning -------------------------------------------------------------------------------------
+
+def test_pinning_without_numactl_or_with_too_few_numa_nodes_is_refused(tmp_path):
+    no_numactl = clean_env(PATH=str(tmp_path))
+    assert "need numactl, which is not on PATH" in refused("-n", "1", "--pin-to-socket", "--", "t.py",
+                                                           env=no_numactl)
+    fake_tool(tmp_path, "numactl", 'echo "available: 1 nodes (0)"\n')
+    assert "cannot pin 2 ranks per node to sockets: this node has 1 NUMA node(s)" in refused(
+        "-n", "2", "--pin-memory-to-socket", "--", "t.py", env=no_numactl)
+
+
+def numactl_with_two_nodes(directory):
+    """Reports two NUMA nodes; runs the command unpinned, telling it the binding it was given."""
+    return fake_tool(directory, "numactl", 'if [ "$1" = --hardware ]; then echo "available: 2 nodes (0-1)"; '
+                                           'exit; fi\nbinding="$1 $2"; shift 2\n'
+                                           'NUMACTL_BINDING="$binding" exec "$@"\n')
+
+
+def test_pinning_binds_each_rank_to_the_numa_node_of_its_local_rank(tmp_path):
+    numactl_with_two_nodes(tmp_path)
+    env = clean_env(PATH=f"{tmp_path}:{os.environ['PATH']}")
+    command = command_of(dry_run("-n", "2", "--pin-to-socket", "--", "t.py", env=env))
+    assert (" sh -c 'exec numactl --cpunodebind=$MPI_LOCALRANKID --preferred=$MPI_LOCALRANKID \"$@\"' "
+            "numactl-by-local-rank ") in command
+    both = command_of(dry_run("-n", "2", "--pin-to-socket", "--pin-memory-to-socket", "--", "t.py", env=env))
+    assert "--cpunodebind=$MPI_LOCALRANKID --membind=$MPI_LOCALRANKID" in both
+
+
+def test_ranks_run_under_the_interpreter_wrapper_and_their_numa_binding(tmp_path):
+    numactl_with_two_nodes(tmp_path)
+    env = quiet_env(PATH=f"{tmp_path}:{os.environ['PATH']}")
+    process = launch(2, SCENARIOS, "identity", "WRAPPED", "NUMACTL_BINDING", timeout=120, env=env,
+                     options=["--pin-memory-to-socket", "--pin-to-socket",
+                              "--python-interpreter", f"env WRAPPED=yes {sys.executable}"])
+    assert_ok(process)
+    for rank in range(2):
+        assert f"rank {rank}: WRAPPED=yes" in process.stdout
+        assert f"rank {rank}: NUMACTL_BINDING=--cpunodebind={rank} --membind={rank}" in process.stdout
+
+
+def test_an_empty_interpreter_runs_a_binary_on_every_rank(tmp_path):
+    tool = fake_tool(tmp_path, "tool.py", 'echo "tool on rank $PMI_RANK of $PMI_SIZE: $*"\n')
+    process = launch(2, tool, "a b", options=["--python-interpreter", ""], timeout=60)
+    assert_ok(process)
+    assert sorted(process.stdout.splitlines()) == ["tool on rank 0 of 2: a b", "tool on rank 1 of 2: a b"]
+
+
+# -- cleanup -------------------------------------------------------------------------------------
+
+def test_cleanup_stops_a_running_job_and_force_kills_what_ignores_sigterm(tmp_path):
+    sleeper = tmp_path / f"sleeper_{os.getpid()}.py"
+    sleeper.write_text("import signal, sys, time\n"
+                       "if 'stubborn' in sys.argv: signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                       "import os; os.write(1, b'ready\\n')  # one write: the ranks' lines must not interleave\n"
+                       "time.sleep(300)\n")
+    job = subprocess.Popen(launcher_command() + ["-n", "2", "--", str(sleeper)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=clean_env())
+    stubborn = subprocess.Popen([sys.executable, str(sleeper), "stubborn"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert [job.stdout.readline(), job.stdout.readline(), stubborn.stdout.readline()] == ["ready\n"] * 3
+        polite = run_launcher("--cleanup", "--", sleeper.name)
+        assert polite.returncode == 1
+        assert f"sent SIGTERM to" in polite.stdout and "Try --force." in polite.stdout
+        assert job.wait(timeout=30) != 0
+        assert stubborn.poll() is None
+        forced = run_launcher("--cleanup", "--force", "--", sleeper.name)
+        assert_ok(forced)
+        assert f"sent SIGKILL to 1 process(es) running {sleeper.name}." in forced.stdout
+        assert stubborn.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        for process in (job, stubborn):
+            if process.poll() is None:
+                process.kill()
+
+
+def test_cleanup_reaches_every_host_of_the_hostfile(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-a\nnode-b\n")
+    command = command_of(dry_run("--hostfile", str(hostfile), "--cleanup", "--force", "--", "train.py"))
+    assert re.search(r" -hosts node-a:1,node-b:1 -n 2 \S*python[\d.]* -m tarantella.launcher "
+                     r"_stop-processes-here SIGKILL train\.py$", command), command
 
 
 def test_ranks_see_their_rank_size_and_the_x_variables():
@@ -71,3 +328,20 @@ def test_plain_python_runs_one_rank_and_mpiexec_runs_several():
                             capture_output=True, text=True, timeout=120, env=quiet_env())
     assert_ok(direct)
     assert "rank 1: size 2 master 0 is_master False" in direct.stdout
+
+
+def test_log_lines_come_from_the_master_unless_every_rank_is_asked_and_carry_the_rank():
+    default = launch(2, SCENARIOS, "log-messages", timeout=120)
+    assert_ok(default)
+    assert [l for l in default.stderr.splitlines() if "from rank" in l] == ["[tarantella] WARNING: warning from rank 0"]
+    everywhere = launch(2, SCENARIOS, "log-messages", options=["--log-on-all-devices", "--log-level", "INFO"],
+                        timeout=120)
+    assert_ok(everywhere)
+    assert sorted(l for l in everywhere.stderr.splitlines() if "from rank" in l) == [
+        "[tarantella rank 0] INFO: info from rank 0", "[tarantella rank 0] WARNING: warning from rank 0",
+        "[tarantella rank 1] INFO: info from rank 1", "[tarantella rank 1] WARNING: warning from rank 1"]
+
+
+def test_cleanup_dry_run_on_this_node_stops_nothing():
+    output = dry_run("--cleanup", "--", "/some/where/train.py")
+    assert output == "would send SIGTERM to your processes on this node whose command line names train.py\n"

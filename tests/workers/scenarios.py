@@ -3,6 +3,7 @@
 import os
 import signal
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -44,20 +45,54 @@ def identity():
         report(f"{name}={os.environ.get(name)}")
 
 
-def raise_on_rank_1():
-    if tnt.get_rank() == 1:
-        raise RuntimeError("deliberate failure on rank 1")
-    compiled().fit(dataset().repeat(), epochs=1, steps_per_epoch=10**6, verbose=0)
+class FailRank1(keras.callbacks.Callback):
+    """Rank 1 fails at batch 5 (tests measure from the time it reports); the others train on."""
 
+    def __init__(self, fail):
+        super().__init__()
+        self.fail = fail
 
-class KillRank1(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if batch == 5 and tnt.get_rank() == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
+            sys.stderr.write(f"rank 1: failing at {time.time():.3f}\n")  # stdout is muted off the master
+            sys.stderr.flush()
+            self.fail()
+
+
+def train_until_rank_1_fails(fail):
+    compiled().fit(dataset().repeat(), epochs=1, steps_per_epoch=10**6, verbose=0, callbacks=[FailRank1(fail)])
+
+
+def raise_on_rank_1():
+    def fail():
+        raise RuntimeError("deliberate failure on rank 1")
+    train_until_rank_1_fails(fail)
 
 
 def kill_rank_1_mid_epoch():
-    compiled().fit(dataset().repeat(), epochs=1, steps_per_epoch=10**6, verbose=0, callbacks=[KillRank1()])
+    train_until_rank_1_fails(lambda: os.kill(os.getpid(), signal.SIGKILL))
+
+
+def exit_3_on_rank_1():
+    train_until_rank_1_fails(lambda: sys.exit(3))
+
+
+class ReportTraining(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2:
+            sys.stderr.write(f"rank {tnt.get_rank()}: training\n")  # stdout is muted off the master
+            sys.stderr.flush()
+
+
+def train_until_interrupted():
+    compiled().fit(dataset().repeat(), epochs=1, steps_per_epoch=10**6, verbose=0, callbacks=[ReportTraining()])
+
+
+def log_messages():
+    import logging
+    logger = logging.getLogger("tarantella")
+    logger.info("info from rank %d", tnt.get_rank())
+    logger.warning("warning from rank %d", tnt.get_rank())
 
 
 def different_models():
@@ -147,6 +182,9 @@ SCENARIOS = {
     "identity": identity,
     "raise-on-rank-1": raise_on_rank_1,
     "kill-rank-1-mid-epoch": kill_rank_1_mid_epoch,
+    "exit-3-on-rank-1": exit_3_on_rank_1,
+    "train-until-interrupted": train_until_interrupted,
+    "log-messages": log_messages,
     "different-models": different_models,
     "uneven-steps": uneven_steps,
     "bad-inputs": bad_inputs,

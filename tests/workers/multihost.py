@@ -1,0 +1,19 @@
+"""Run by the multi-host test on "hosts" that are network namespaces.
+
+Each rank tells its network namespace, the GREETING it got and how many ranks share its
+node, then trains the given cases of train_cases.py."""
+
+import os
+import sys
+
+import tarantella as tnt  # noqa: F401  (first, as users should)
+from mpi4py import MPI
+
+from train_cases import run_case
+
+node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+sys.stdout.write(f"rank {MPI.COMM_WORLD.Get_rank()}: {os.readlink('/proc/self/ns/net')} "
+                 f"GREETING={os.environ.get('GREETING')} node ranks {node.Get_size()}\n")
+sys.stdout.flush()
+for name in sys.argv[2].split(","):
+    run_case(name, "tnt", sys.argv[1])
