@@ -199,7 +199,9 @@ def test_without_n_every_gpu_gets_a_rank_and_without_gpus_one_cpu_rank_warns(tmp
     assert " -n 1 " in command_of(process.stdout) and "TNT_USE_GPU=false" in process.stdout
     assert NO_GPU_WARNING in process.stderr
     assert "WARNING" not in run_launcher("--dry-run", "--no-gpu", "--", "t.py").stderr
-    assert "WARNING" not in run_launcher("--dry-run", "-n", "2", "--", "t.py").stderr
+    assert "tarantella: WARNING: 2 ranks per node but no GPU(s), so every rank runs on CPU. --no-gpu " \
+           "silences this warning." in run_launcher("--dry-run", "-n", "2", "--", "t.py").stderr
+    assert "WARNING" not in run_launcher("--dry-run", "-n", "2", "--no-gpu", "--", "t.py").stderr
 
 
 def test_more_ranks_than_gpus_run_on_cpu_with_a_warning_that_no_gpu_silences(tmp_path):
