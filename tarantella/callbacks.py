@@ -75,8 +75,6 @@ class Callback(keras.callbacks.Callback):
         self._call("on_train_end", logs=logs, local_logs=self._local_epoch_logs)
 
     def on_epoch_begin(self, epoch, logs=None):
-        if _distributed(self.model):
-            self.model._local_epoch_logs = None
         self._call("on_epoch_begin", epoch, logs=logs)
 
     def on_epoch_end(self, epoch, logs=None):

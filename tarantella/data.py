@@ -94,6 +94,12 @@ def _global_batch_index(chain):
     return None
 
 
+def global_batch_size(dataset):
+    """The batch size of the pipeline's last `batch` when it is a constant, else None."""
+    chain = _rebuildable_chain(dataset)
+    return _static_batch_size(chain, _global_batch_index(chain))
+
+
 def _static_batch_size(chain, batch_index):
     """The global batch size, if the pipeline's last `batch` has a constant one."""
     if batch_index is None:
@@ -344,9 +350,11 @@ def split_for_validation(x, y, sample_weight, fraction):
         raise ValueError(f"validation_split must be between 0 and 1; got {fraction}.")
     count = len(tf.nest.flatten(x)[0])
     split_at = int(count * (1.0 - fraction))
-    head = lambda a: None if a is None else tf.nest.map_structure(lambda t: t[:split_at], _as_tuples(a))
-    tail = lambda a: None if a is None else tf.nest.map_structure(lambda t: t[split_at:], _as_tuples(a))
-    return (head(x), head(y), head(sample_weight)), (tail(x), tail(y), tail(sample_weight))
+    def rows(selection):
+        return tuple(None if a is None else tf.nest.map_structure(lambda t: t[selection], _as_tuples(a))
+                     for a in (x, y, sample_weight))
+
+    return rows(slice(None, split_at)), rows(slice(split_at, None))
 
 
 def count_batches(dataset):
@@ -377,8 +385,7 @@ def _batched_as_asked(dataset, wanted, micro_batch_size, ranks):
                 "it with micro-batch x ranks.")
         return dataset.batch(wanted)
     if wanted is not None:
-        chain = _rebuildable_chain(dataset)
-        batch = _static_batch_size(chain, _global_batch_index(chain))
+        batch = global_batch_size(dataset)
         if batch is not None and batch != wanted:
             raise ValueError(
                 f"The dataset is batched with {batch} samples, but tnt_micro_batch_size={micro_batch_size} "

@@ -27,6 +27,9 @@ logger = communication.logger
 # Below this many samples per rank, per-rank BatchNormalization statistics get noisy.
 _SMALL_BATCH_NORMALIZATION_BATCH = 16
 
+# Inputs that come in batches already, so Keras' batch_size arguments do not apply.
+_BATCHED_INPUTS = (tf.data.Dataset, keras.utils.PyDataset)
+
 _TRAINING_HOOKS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics")
 
 
@@ -167,7 +170,7 @@ class Model(keras.Model):
         with micro-batch x ranks; tnt_distribute_dataset=False means each rank passes its own shard."""
         self._check_compiled("fit")
         if validation_split:
-            if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)):
+            if isinstance(x, _BATCHED_INPUTS):
                 raise ValueError("validation_split= needs array inputs; pass validation_data= (a dataset "
                                  "batched with the global batch size) instead.")
             (x, y, sample_weight), validation_data = data.split_for_validation(x, y, sample_weight,
@@ -175,14 +178,10 @@ class Model(keras.Model):
         x = self._input("fit", x, y, sample_weight, batch_size, tnt_micro_batch_size, tnt_distribute_dataset,
                         shuffle)
         if validation_data is not None:
-            if isinstance(validation_data, (tuple, list)):
-                validation_data = tuple(validation_data) + (None,) * (3 - len(validation_data))
-                val_x, val_y, val_weight = validation_data
-            else:
-                val_x, val_y, val_weight = validation_data, None, None
+            val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(validation_data)
             validation_data = self._input(
                 "fit (validation_data)", val_x, val_y, val_weight, validation_batch_size or
-                (batch_size if not isinstance(val_x, (tf.data.Dataset, keras.utils.PyDataset)) else None),
+                (batch_size if not isinstance(val_x, _BATCHED_INPUTS) else None),
                 tnt_validation_micro_batch_size, tnt_distribute_validation_dataset, shuffle=False)
         if not tnt_distribute_dataset:
             self._check_same_step_counts(x, steps_per_epoch, "training")
@@ -190,7 +189,7 @@ class Model(keras.Model):
             self._check_same_step_counts(validation_data, validation_steps, "validation")
         if self._distributed:
             self._prepare(x.element_spec, compiled_state=True)
-            self._warn_small_batch_normalization_batches(x)
+            self._warn_small_batch_normalization_batches(x, tnt_distribute_dataset)
         callbacks = self._callbacks_for_this_rank(callbacks)
         with self._keras_output_on_master_only():
             history = super().fit(
@@ -376,6 +375,7 @@ class Model(keras.Model):
 
     def reset_metrics(self):
         super().reset_metrics()
+        self._local_epoch_logs = None  # fit resets at each epoch; validation sets it after its reset
         for variable, shadow in self._local_metric_state or ():
             shadow.assign(variable.value)
 
@@ -435,11 +435,13 @@ class Model(keras.Model):
         on_master = self._comm.rank == communication.MASTER_RANK
         return verbose if on_master or config.output_on_all_devices() else 0
 
-    def _warn_small_batch_normalization_batches(self, dataset):
+    def _warn_small_batch_normalization_batches(self, dataset, distributed_by_us):
         if self._warned_batch_normalization:
             return
-        chain = data._rebuildable_chain(dataset)
-        global_batch = data._static_batch_size(chain, data._global_batch_index(chain))
+        # The rank's dataset still shows the global batch when tarantella split it; a shard the
+        # user made holds the micro-batch itself.
+        batch = data.global_batch_size(dataset)
+        global_batch = batch if distributed_by_us or batch is None else batch * self._comm.size
         has_batch_normalization = any(isinstance(layer, keras.layers.BatchNormalization)
                                       for layer in self._flatten_layers())
         if has_batch_normalization and global_batch is not None and \
