@@ -31,7 +31,7 @@ if not _started_as_launcher():
     from tarantella.communication import (CollectiveTimeoutError, get_master_rank, get_rank, get_size,
                                           init, is_master_rank)
     from tarantella.model import Model, ParallelStrategy
-    from tarantella import saving as models  # tnt.models.load_model, ..., like keras.models
+    from tarantella import models  # tnt.models.load_model, ..., like keras.models
     from tarantella import callbacks as _callbacks
 
     keras = SimpleNamespace(callbacks=_callbacks)  # tnt.keras.callbacks.Callback

@@ -53,8 +53,9 @@ class _BucketRound:
             for index in range(len(self.arrays)):
                 with self.changed:
                     self.changed.wait_for(lambda: self.arrays[index] is not None)
-                reduce(self.arrays[index])
+                result = reduce(self.arrays[index])
                 with self.changed:
+                    self.arrays[index] = result
                     self.reduced += 1
                     self.changed.notify_all()
         except BaseException as error:  # handed to the waiting training step
@@ -162,14 +163,33 @@ class Communicator:
     # -- gradient buckets (called from TensorFlow ops) ---------------------------
 
     def submit_bucket(self, index, count, array):
-        """Hands over bucket `index` of `count`; returns at once. The array is reduced in place."""
+        """Hands over bucket `index` of `count`; returns at once.
+
+        An array is summed over ranks in place; a tuple (indices, values) of a sparse
+        gradient is replaced by the concatenation of every rank's, in rank order."""
         with self._round_lock:
             if self._round is None:
                 self._round = _BucketRound(count)
                 step_round = self._round
-                self._jobs.put(lambda: step_round.reduce_in_plan_order(self._allreduce_bucket))
+                self._jobs.put(lambda: step_round.reduce_in_plan_order(self._reduce_bucket))
             step_round = self._round
         step_round.deposit(index, array)
+
+    def _reduce_bucket(self, bucket):
+        if isinstance(bucket, tuple):
+            return tuple(self._allgather_rows(array) for array in bucket)
+        self._allreduce_bucket(bucket)
+        return bucket
+
+    def _allgather_rows(self, array):
+        """Every rank's rows of `array`, concatenated in rank order (runs on the worker)."""
+        array = np.ascontiguousarray(array)
+        counts = self._mpi.allgather(array.shape[0])
+        row_bytes = array.dtype.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))
+        gathered = np.empty((sum(counts),) + array.shape[1:], array.dtype)
+        self._mpi.Allgatherv(array.reshape(-1).view(np.uint8),
+                             [gathered.reshape(-1).view(np.uint8), [n * row_bytes for n in counts]])
+        return gathered
 
     def _allreduce_bucket(self, array):
         """Sums `array` over all ranks in place (runs on the worker)."""

@@ -4,6 +4,12 @@ Like PyTorch DDP's reducer: gradients are grouped, in the order backprop produce
 them (last layer first), into buckets of at least the fusion threshold. Each bucket
 is handed to the collectives worker as soon as its gradients exist, so its allreduce
 overlaps with the rest of backprop; the worker reduces buckets strictly in plan order.
+
+Sparse gradients (`tf.IndexedSlices`, e.g. from an Embedding) are not summed but
+gathered: every rank gets the slices of all ranks, so the optimizer sees each looked-up
+row once per occurrence, as in a serial step on the global batch. Keras' Adam, RMSprop
+and others treat repeated rows differently from one summed row, so densifying would
+change the result.
 """
 
 import functools
@@ -48,49 +54,77 @@ class GradientAllreduce:
         self._comm = communicator
         self._threshold_bytes = threshold_bytes
 
-    def __call__(self, gradients):
-        """`gradients` is aligned with the trainable variables; None entries stay None."""
+    def __call__(self, gradients, variables):
+        """`gradients` is aligned with `variables`; None entries stay None.
+
+        A gradient takes its variable's shape: some ops (an einsum over a 3-D input) leave
+        the gradient's static shape partly unknown."""
         backprop_order = [i for i in reversed(range(len(gradients))) if gradients[i] is not None]
-        dense = {i: self._to_wire(tf.convert_to_tensor(gradients[i])) for i in backprop_order}
-        plan = plan_buckets([_nbytes(dense[i]) for i in backprop_order],
-                            [dense[i].dtype for i in backprop_order], self._threshold_bytes)
-        buckets = [[backprop_order[k] for k in bucket] for bucket in plan]
-        if not buckets:
+        sparse = {i for i in backprop_order if isinstance(gradients[i], tf.IndexedSlices)}
+        dense = {i: self._to_wire(tf.reshape(gradients[i], variables[i].shape))
+                 for i in backprop_order if i not in sparse}
+        dense_order = [i for i in backprop_order if i not in sparse]
+        plan = plan_buckets([_nbytes(variables[i].shape, dense[i].dtype) for i in dense_order],
+                            [dense[i].dtype for i in dense_order], self._threshold_bytes)
+        # Sparse gradients go last: backprop reaches embeddings (the first layers) last.
+        items = [[dense_order[k] for k in bucket] for bucket in plan] + [[i] for i in backprop_order
+                                                                         if i in sparse]
+        if not items:
             return list(gradients)
 
-        handed_over = []
-        for index, members in enumerate(buckets):
-            if len(members) > 1:
-                flat = tf.concat([tf.reshape(dense[i], [-1]) for i in members], axis=0)
+        handed_over, result_dtypes = [], []
+        for index, members in enumerate(items):
+            submit = functools.partial(self._submit, index, len(items))
+            if members[0] in sparse:
+                slices = gradients[members[0]]
+                inputs = [tf.cast(slices.indices, tf.int64), self._to_wire(slices.values)]
+                result_dtypes += [tf.int64, inputs[1].dtype]
+            elif len(members) > 1:
+                inputs = [tf.concat([tf.reshape(dense[i], [-1]) for i in members], axis=0)]
+                result_dtypes.append(inputs[0].dtype)
             else:
                 # The allreduce writes in place; Snapshot copies only if backprop still reads the buffer.
-                flat = tf.raw_ops.Snapshot(input=tf.reshape(dense[members[0]], [-1]))
-            submit = functools.partial(self._submit, index, len(buckets))
-            handed_over.append(tf.numpy_function(submit, [flat], tf.int64, stateful=True,
+                inputs = [tf.raw_ops.Snapshot(input=tf.reshape(dense[members[0]], [-1]))]
+                result_dtypes.append(inputs[0].dtype)
+            handed_over.append(tf.numpy_function(submit, inputs, tf.int64, stateful=True,
                                                  name=f"tnt_submit_bucket_{index}"))
-        reduced = tf.numpy_function(self._collect, handed_over, [dense[m[0]].dtype for m in buckets],
-                                    stateful=True, name="tnt_collect_buckets")
+        reduced = iter(tf.numpy_function(self._collect, handed_over, result_dtypes, stateful=True,
+                                         name="tnt_collect_buckets"))
 
         result = list(gradients)
-        for members, flat in zip(buckets, reduced):
-            sizes = [int(np.prod(dense[i].shape)) for i in members]
+        for members in items:
+            first = members[0]
+            if first in sparse:
+                slices = gradients[first]
+                indices, values = next(reduced), next(reduced)
+                indices.set_shape([None])
+                values.set_shape([None] + slices.values.shape[1:])
+                result[first] = tf.IndexedSlices(tf.cast(values, slices.values.dtype),
+                                                 tf.cast(indices, slices.indices.dtype), slices.dense_shape)
+                continue
+            flat = next(reduced)
+            sizes = [int(np.prod(variables[i].shape)) for i in members]
             flat.set_shape([sum(sizes)])
             pieces = tf.split(flat, sizes) if len(members) > 1 else [flat]
             for i, piece in zip(members, pieces):
-                result[i] = tf.cast(tf.reshape(piece, dense[i].shape), gradients[i].dtype)
+                result[i] = tf.cast(tf.reshape(piece, variables[i].shape), gradients[i].dtype)
         return result
 
     @staticmethod
     def _to_wire(gradient):
         return gradient if gradient.dtype in _WIRE_DTYPES else tf.cast(gradient, tf.float32)
 
-    def _submit(self, index, count, flat):
-        self._comm.submit_bucket(index, count, flat)
+    def _submit(self, index, count, *arrays):
+        payload = arrays[0] if len(arrays) == 1 else tuple(arrays)
+        self._comm.submit_bucket(index, count, payload)
         return np.int64(index)
 
     def _collect(self, *handed_over):
-        return self._comm.collect_buckets()
+        flat = []
+        for item in self._comm.collect_buckets():
+            flat.extend(item if isinstance(item, tuple) else [item])
+        return flat
 
 
-def _nbytes(tensor):
-    return int(np.prod(tensor.shape)) * tensor.dtype.size
+def _nbytes(shape, dtype):
+    return int(np.prod(shape)) * dtype.size

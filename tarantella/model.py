@@ -1,26 +1,22 @@
 """tnt.Model: a keras.Model that trains data-parallel across all ranks.
 
-A training step on each of p > 1 ranks:
-  1. forward pass on the rank's micro-batch; local loss and metric increments;
-  2. one allreduce of (micro-batch size, loss, metric increments) gives every rank the
-     global batch size and the serial run's loss and metric values;
-  3. backprop of the loss weighted by the rank's share of the global batch, while the
-     fused gradient buckets are summed over ranks as soon as they are ready;
-  4. the same optimizer update on every rank.
-With one rank, every method is plain Keras.
+A thin wrapper: it turns the user's input into each rank's micro-batches (data.py), runs
+the wrapped model's own steps through `distributed_step.DistributedStep` (which makes the
+gradients, losses and metrics those of the serial step), gives every rank the master's
+weights before the first step, and saves through saving.py. Everything else a Keras user
+reads answers as the wrapped model does. With one rank, every method is plain Keras.
 """
 
 import contextlib
+import copy
 import enum
-import os
-from types import SimpleNamespace
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tarantella import callbacks as callbacks_module
-from tarantella import communication, config, data, gradients, saving
+from tarantella import communication, config, data, distributed_step, gradients, saving
 
 logger = communication.logger
 
@@ -30,7 +26,18 @@ _SMALL_BATCH_NORMALIZATION_BATCH = 16
 # Inputs that come in batches already, so Keras' batch_size arguments do not apply.
 _BATCHED_INPUTS = (tf.data.Dataset, keras.utils.PyDataset)
 
-_TRAINING_HOOKS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics")
+# Public names that answer as the wrapped model's, although keras.Model defines them on the
+# wrapper too. Names tarantella changes (fit, save, ...) or that Keras' loop writes on the
+# model it runs (stop_training, history, ...) are the wrapper's own.
+_READ_FROM_WRAPPED = frozenset({
+    "metrics", "metrics_names", "losses", "loss", "compiled_loss", "compiled_metrics", "input_spec",
+    "compute_output_shape", "compute_output_spec", "compute_mask", "count_params", "get_build_config",
+    "layers", "input", "output", "inputs", "outputs", "input_shape", "output_shape", "get_layer",
+    "to_json", "get_compile_config", "optimizer", "compute_loss", "compute_metrics",
+    "get_metrics_result", "quantize", "dtype_policy", "dtype", "compute_dtype", "variable_dtype",
+    "input_dtype", "supports_masking", "trainable_weights", "non_trainable_weights", "trainable_variables",
+    "non_trainable_variables", "weights", "variables", "get_weights",
+})
 
 
 class ParallelStrategy(enum.Enum):
@@ -38,7 +45,10 @@ class ParallelStrategy(enum.Enum):
 
 
 class Model(keras.Model):
-    """Wraps a Keras model so that fit/evaluate/predict split every global batch across ranks."""
+    """Wraps a Keras model so that fit/evaluate/predict split every global batch across ranks.
+
+    The wrapped model may override train_step, test_step, predict_step, compute_loss or
+    compute_metrics, use several optimizers, and have its own compile signature."""
 
     def __init__(self, model, parallel_strategy=ParallelStrategy.DATA):
         if isinstance(model, Model):
@@ -48,73 +58,69 @@ class Model(keras.Model):
         if parallel_strategy is not ParallelStrategy.DATA:
             raise ValueError(f"Unknown parallel_strategy {parallel_strategy!r}; the only strategy is "
                              "tnt.ParallelStrategy.DATA.")
-        for hook in _TRAINING_HOOKS:
-            if getattr(type(model), hook) is not getattr(keras.Model, hook):
-                raise TypeError(
-                    f"{type(model).__name__} overrides {hook}(). tnt.Model runs its own training step, "
-                    "where gradients and metrics are combined across ranks, so custom training logic "
-                    "is not supported. Move it into layers, losses or metrics, or train serially.")
         super().__init__(name=model.name)
         self._keras_model = model
         self._comm = communication.init()
         self._distributed = self._comm.size > 1
         self._weights_synced = False
         self._warned_batch_normalization = False
-        # Rank-local metric values, kept only while a callback asks for them (aggregate_logs=False).
-        self._local_metric_state = None
         self._local_epoch_logs = None
-        self._gradient_allreduce = gradients.GradientAllreduce(self._comm, config.fusion_threshold_bytes())
+        self._step = distributed_step.DistributedStep(
+            self._comm, model, gradients.GradientAllreduce(self._comm, config.fusion_threshold_bytes()))
         if self._distributed:
             self._jit_compile = False  # a host-side allreduce cannot live inside an XLA cluster
         self.built = model.built
 
     # -- the wrapped model -------------------------------------------------------
 
-    def build(self, input_shape=None):
-        self.built = True  # the wrapped model builds itself on its first call
-
-    def call(self, inputs, training=None):
-        return self._keras_model(inputs, training=training)
+    def __getattribute__(self, name):
+        if name in _READ_FROM_WRAPPED:
+            wrapped = object.__getattribute__(self, "__dict__").get("_keras_model")
+            if wrapped is not None:
+                return getattr(wrapped, name)
+        return object.__getattribute__(self, name)
 
     def __getattr__(self, name):
-        # Reached only when normal lookup fails: public attributes come from the wrapped model.
+        # Reached only when normal lookup fails: public attributes come from the wrapped model
+        # (a GAN's generator, a custom model's own trackers and methods).
         wrapped = self.__dict__.get("_keras_model")
         if wrapped is None or name.startswith("_"):
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
         return getattr(wrapped, name)
 
-    @property
-    def layers(self):
-        return self._keras_model.layers
+    def build(self, input_shape=None):
+        self.built = True  # the wrapped model builds itself on its first call
 
-    @property
-    def input(self):
-        return self._keras_model.input
-
-    @property
-    def output(self):
-        return self._keras_model.output
-
-    def get_layer(self, name=None, index=None):
-        return self._keras_model.get_layer(name=name, index=index)
+    def call(self, *args, **kwargs):
+        return self._keras_model(*args, **kwargs)
 
     def get_config(self):
-        # The whole serialized Keras model: from_config must know its class, not only its layers.
-        return keras.saving.serialize_keras_object(self._keras_model)
+        return self._keras_model.get_config()
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        return saving.model_from_config(config, custom_objects)
-
-    def to_json(self, **kwargs):
-        return self._keras_model.to_json(**kwargs)
+        """A new tnt.Model from `get_config()` (of a tnt.Model or a Keras model), or from a
+        serialized model (`keras.saving.serialize_keras_object`); weights are new."""
+        config = copy.deepcopy(config)  # Keras consumes the config while it rebuilds the model
+        if "class_name" in config:
+            keras_model = keras.saving.deserialize_keras_object(config, custom_objects=custom_objects)
+        elif "input_layers" in config:  # a functional model's get_config()
+            keras_model = keras.Model.from_config(config, custom_objects=custom_objects)
+        elif "layers" in config:
+            keras_model = keras.Sequential.from_config(config, custom_objects=custom_objects)
+        else:
+            raise ValueError(
+                "This config describes neither a functional nor a Sequential model, so its class is "
+                "unknown. For a subclassed model, rebuild it with its own from_config and wrap it, or pass "
+                "keras.saving.serialize_keras_object(model), which names the class.")
+        return cls(keras_model)
 
     def summary(self, *args, **kwargs):
         if self._comm.rank == communication.MASTER_RANK or config.output_on_all_devices():
             self._keras_model.summary(*args, **kwargs)
 
     def set_weights(self, weights):
-        super().set_weights(weights)
+        self._keras_model.set_weights(weights)
         self._weights_synced = False  # the master's values go out before the next step
 
     # -- saving and loading (see saving.py) -------------------------------------------
@@ -132,32 +138,31 @@ class Model(keras.Model):
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):
         """Every rank reads the file (it must be visible to all); optimizer state is restored too."""
-        if self.compiled and self.built and not self.optimizer.built:
-            self.optimizer.build(self.trainable_variables)  # else the saved optimizer state is skipped
+        optimizer = self._keras_model.optimizer
+        if self.compiled and self.built and optimizer is not None and not optimizer.built:
+            optimizer.build(self.trainable_variables)  # else the saved optimizer state is skipped
         self._keras_model.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
         self._weights_synced = False
 
     # -- compile, fit, evaluate, predict -----------------------------------------------
 
-    def compile(self, optimizer="rmsprop", loss=None, *args, jit_compile="auto", **kwargs):
-        optimizer = keras.optimizers.get(optimizer)
-        inner = getattr(optimizer, "inner_optimizer", optimizer)
-        if isinstance(inner, keras.optimizers.Ftrl):
-            raise ValueError(
-                "tnt.Model does not support the Ftrl optimizer. Ftrl is an online method that updates "
-                "per example (built for sparse linear models); tarantella's contract is one update per "
-                "global batch, equal to serial mini-batch training, so, like the original Tarantella, it "
-                "refuses Ftrl instead of changing its meaning. Use another optimizer (SGD, Adam, "
-                "Adagrad, ...) or train with Ftrl serially.")
+    def compile(self, *args, jit_compile="auto", **kwargs):
+        """Compiles the wrapped model with the user's arguments (its own compile signature, if it
+        has one); the wrapper shares its optimizer. Saved files are then complete Keras files."""
         if self._distributed and jit_compile not in ("auto", False, None):
             logger.warning("jit_compile=True is ignored with %d ranks: XLA cannot compile the host-side "
                            "gradient allreduce, so the step runs without XLA.", self._comm.size)
         if self._distributed:
             jit_compile = False  # Keras would pick XLA by itself on a GPU
-        super().compile(optimizer, loss, *args, jit_compile=jit_compile, **kwargs)
-        # The wrapped model shares the optimizer and knows the compile arguments, so a saved
-        # file is a complete Keras model file, optimizer state included.
-        self._keras_model.compile(self.optimizer, loss, *args, jit_compile=jit_compile, **kwargs)
+        if _overrides(self._keras_model, "compile"):
+            self._keras_model.compile(*args, **kwargs)
+        else:
+            self._keras_model.compile(*args, jit_compile=jit_compile, **kwargs)
+        for optimizer in self._step.optimizers():
+            _refuse_ftrl(optimizer)
+        keras.Model.compile(self, optimizer=self._keras_model.optimizer, jit_compile=jit_compile,
+                            run_eagerly=getattr(self._keras_model, "run_eagerly", False),
+                            steps_per_execution=getattr(self._keras_model, "steps_per_execution", 1))
         self._weights_synced = False
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
@@ -205,7 +210,7 @@ class Model(keras.Model):
                  **kwargs):
         if kwargs.get("_use_cached_eval_dataset"):  # validation inside fit: already distributed
             self._use_masters_statistics()
-            training_logs = self._local_metrics_result() if self._local_metric_state else None
+            training_logs = self._local_metrics_result() if self._step.local_metric_state else None
             result = super().evaluate(x, y, batch_size=batch_size, verbose=verbose, steps=steps,
                                       callbacks=callbacks, return_dict=return_dict, **kwargs)
             if training_logs is not None:  # on_epoch_end comes after validation: keep both
@@ -236,139 +241,72 @@ class Model(keras.Model):
         with self._keras_output_on_master_only():
             return super().predict(x, verbose=self._verbosity(verbose), steps=steps, callbacks=callbacks)
 
-    # -- the distributed steps --------------------------------------------------------
+    # -- the steps: the wrapped model's own, made global by DistributedStep -----------------
 
     def train_step(self, data_batch):
         if not self._distributed:
-            return super().train_step(data_batch)
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data_batch)
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            local = self._local_step_values(x, y, y_pred, sample_weight)
-        step = self._sum_over_ranks(local)
-        self._record_local_metrics(local)
-        weights = self.trainable_weights
-        if weights:
-            # Each rank differentiates its share of the serial loss; the allreduce sums the shares.
-            terms = [(loss, share) for loss, share in ((local.data_loss, step.data_loss_weight),
-                                                        (local.extra_loss, step.extra_loss_weight))
-                     if loss is not None]
-            grads = tape.gradient([loss for loss, _ in terms], weights, output_gradients=[
-                self.optimizer.scale_loss(tf.cast(share, loss.dtype)) for loss, share in terms])
-            grads = self._gradient_allreduce(_zero_if_no_samples(grads, local.batch_size))
-            self.optimizer.apply_gradients(zip(grads, weights))
-        return self._record_global_metrics(step)
+            return self._keras_model.train_step(data_batch)
+        return self._step.train(data_batch)
 
     def test_step(self, data_batch):
         if not self._distributed:
-            return super().test_step(data_batch)
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data_batch)
-        y_pred = self(x, training=False)
-        local = self._local_step_values(x, y, y_pred, sample_weight)
-        step = self._sum_over_ranks(local)
-        self._record_local_metrics(local)
-        return self._record_global_metrics(step)
+            return self._keras_model.test_step(data_batch)
+        return self._step.test(data_batch)
 
     def predict_step(self, data_batch):
-        y_pred = super().predict_step(data_batch)
         if not self._distributed:
-            return y_pred
-        leaves = tf.nest.flatten(y_pred)
-        gathered = tf.numpy_function(self._gather_predictions, leaves, [t.dtype for t in leaves],
-                                     stateful=True, name="tnt_gather_predictions")
-        for full, local in zip(gathered, leaves):
-            full.set_shape([None] + local.shape[1:])
-        return tf.nest.pack_sequence_as(y_pred, gathered)
+            return self._keras_model.predict_step(data_batch)
+        return self._step.predict(data_batch)
 
-    def _local_step_values(self, x, y, y_pred, sample_weight):
-        """Loss terms and metric increments of this rank's micro-batch; metric state is untouched."""
-        summed_metrics = self._compile_metrics.variables if self._compile_metrics is not None else []
-        per_batch_metrics = self._compile_loss.metrics if self._compile_loss is not None else []
-        per_batch_variables = [v for metric in per_batch_metrics for v in metric.variables]
-        zeros = [(v, tf.zeros(v.shape, v.dtype)) for v in summed_metrics + per_batch_variables]
-        with keras.StatelessScope(state_mapping=zeros) as scope:
-            data_loss = None
-            if self._compile_loss is not None:
-                data_loss = self._compile_loss(y, y_pred, sample_weight)
-            if self._compile_metrics is not None:
-                self._compile_metrics.update_state(y, y_pred, sample_weight)
-        extra_losses = [self._aggregate_additional_loss(loss) for loss in self.losses]
-        return SimpleNamespace(
-            batch_size=tf.cast(tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0],
-                               tf.float64),
-            data_loss=data_loss,
-            data_loss_is_summed=self._data_loss_is_summed(),
-            extra_loss=tf.add_n(extra_losses) if extra_losses else None,
-            summed_variables=summed_metrics,
-            summed_increments=[scope.get_current_value(v) for v in summed_metrics],
-            per_batch_variables=per_batch_variables,
-            per_batch_increments=[scope.get_current_value(v) for v in per_batch_variables])
+    # -- one global batch, given whole to every rank ------------------------------------------
 
-    def _sum_over_ranks(self, local):
-        """One allreduce of everything a step needs to know about the global batch."""
-        m = local.batch_size
-        as_float64 = lambda t: tf.reshape(tf.cast(t, tf.float64), [-1])
-        data_contribution = 0.0 if local.data_loss is None else as_float64(local.data_loss)[0] * (
-            1.0 if local.data_loss_is_summed else m)
-        extra_contribution = 0.0 if local.extra_loss is None else as_float64(local.extra_loss)[0] * m
-        parts = [tf.stack([m, data_contribution, extra_contribution])]
-        parts += [as_float64(t) for t in local.summed_increments]
-        # Per-batch trackers (per-output losses) record one value per batch: weight it by the share.
-        parts += [as_float64(t) * m for t in local.per_batch_increments]
-        vector = tf.concat(parts, axis=0)
-        summed = tf.numpy_function(self._allreduce_step_totals, [vector], tf.float64, stateful=True,
-                                   name="tnt_allreduce_step_totals")
-        summed.set_shape(vector.shape)
-        global_batch = summed[0]
-        share = tf.math.divide_no_nan(m, global_batch)
-        data_loss = summed[1] if local.data_loss_is_summed else tf.math.divide_no_nan(summed[1], global_batch)
-        sizes = [int(np.prod(v.shape)) for v in local.summed_variables + local.per_batch_variables]
-        increments = tf.split(summed[3:], sizes) if sizes else []
-        n_summed = len(local.summed_variables)
-        return SimpleNamespace(
-            global_batch_size=global_batch,
-            loss=data_loss + tf.math.divide_no_nan(summed[2], global_batch),
-            data_loss_weight=1.0 if local.data_loss_is_summed else share,
-            extra_loss_weight=share,
-            increments=list(zip(local.summed_variables, increments[:n_summed])) + [
-                (v, tf.math.divide_no_nan(inc, global_batch))
-                for v, inc in zip(local.per_batch_variables, increments[n_summed:])])
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
+        """Every rank passes the same global batch; each trains on its rows of it."""
+        self._check_compiled("train_on_batch")
+        x, y, sample_weight = self._rows_of_batch(x, y, sample_weight)
+        return super().train_on_batch(x, y, sample_weight=sample_weight, class_weight=class_weight,
+                                      return_dict=return_dict)
 
-    def _record_global_metrics(self, step):
-        self._loss_tracker.update_state(tf.cast(step.loss, tf.float32),
-                                        sample_weight=tf.cast(step.global_batch_size, tf.float32))
-        for variable, increment in step.increments:
-            variable.assign_add(tf.cast(tf.reshape(increment, variable.shape), variable.dtype))
-        return self.get_metrics_result()
+    def test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
+        self._check_compiled("test_on_batch")
+        x, y, sample_weight = self._rows_of_batch(x, y, sample_weight)
+        if self._distributed:
+            self._use_masters_statistics()
+        return super().test_on_batch(x, y, sample_weight=sample_weight, return_dict=return_dict)
 
-    def _record_local_metrics(self, local):
-        """Advances the rank-local copy of the metric state by this micro-batch alone."""
-        if self._local_metric_state is None:
-            return
-        pairs = self._local_metric_state
-        losses = [loss for loss in (local.data_loss, local.extra_loss) if loss is not None]
-        loss = tf.add_n([tf.cast(loss, tf.float32) for loss in losses]) if losses else tf.constant(0.0)
-        samples = tf.cast(local.batch_size, tf.float32)
-        with keras.StatelessScope(state_mapping=[(v, shadow.read_value()) for v, shadow in pairs]) as scope:
-            self._loss_tracker.update_state(tf.where(samples > 0, loss, 0.0), sample_weight=samples)
-            for variable, increment in zip(local.summed_variables + local.per_batch_variables,
-                                           local.summed_increments + local.per_batch_increments):
-                variable.assign_add(increment)
-        for variable, shadow in pairs:
-            shadow.assign(scope.get_current_value(variable))
+    def predict_on_batch(self, x):
+        """Every rank gets the predictions of the whole batch."""
+        x, _, _ = self._rows_of_batch(x, None, None, compiled_state=False)
+        if self._distributed:
+            self._use_masters_statistics()
+        return super().predict_on_batch(x)
+
+    def _rows_of_batch(self, x, y, sample_weight, compiled_state=True):
+        if not self._distributed:
+            return x, y, sample_weight
+        batch = tf.nest.map_structure(
+            lambda a: None if a is None else tf.convert_to_tensor(a),
+            keras.utils.pack_x_y_sample_weight(*(tuple(a) if isinstance(a, list) else a for a in (x, y, sample_weight))))
+        spec = tf.nest.map_structure(lambda t: tf.TensorSpec([None] + t.shape[1:], t.dtype), batch)
+        self._prepare(spec, compiled_state=compiled_state)
+        rank, size = self._comm.rank, self._comm.size
+        rows = tf.nest.map_structure(lambda t: t[rank::size], batch)
+        return keras.utils.unpack_x_y_sample_weight(rows)
+
+    # -- rank-local metric values (for callbacks with aggregate_logs=False) --------------------
 
     def _local_metrics_result(self):
         """This rank's own loss and metrics (its micro-batches only), in the form of Keras' logs."""
-        pairs = self._local_metric_state or []
+        pairs = self._step.local_metric_state or []
         with keras.StatelessScope(state_mapping=[(v, shadow.read_value()) for v, shadow in pairs]):
-            result = self.get_metrics_result()
+            result = self._keras_model.get_metrics_result()
         return {name: value.numpy().item() if np.ndim(value) == 0 else value.numpy()
                 for name, value in result.items()}
 
     def _track_local_metrics(self, wanted):
-        if wanted == (self._local_metric_state is not None):
+        if wanted == (self._step.local_metric_state is not None):
             return
-        self._local_metric_state = tuple(
+        self._step.local_metric_state = tuple(
             (v, tf.Variable(v.value, trainable=False)) for metric in self.metrics for v in metric.variables
         ) if wanted else None
         self.train_function = self.test_function = None  # retraced with or without the local copy
@@ -376,23 +314,8 @@ class Model(keras.Model):
     def reset_metrics(self):
         super().reset_metrics()
         self._local_epoch_logs = None  # fit resets at each epoch; validation sets it after its reset
-        for variable, shadow in self._local_metric_state or ():
+        for variable, shadow in self._step.local_metric_state or ():
             shadow.assign(variable.value)
-
-    def _data_loss_is_summed(self):
-        if self._compile_loss is None or not self._compile_loss._flat_losses:
-            return False
-        summed = {loss_fn.reduction == "sum" for _, loss_fn, _, _ in self._compile_loss._flat_losses}
-        if len(summed) > 1:
-            raise ValueError("The compiled losses mix reduction='sum' with averaging reductions; "
-                             "tarantella needs one kind to weigh each rank's share. Use one reduction.")
-        return summed.pop()
-
-    def _allreduce_step_totals(self, vector):
-        return self._comm.allreduce_sum(vector, "the allreduce of batch sizes, losses and metrics")
-
-    def _gather_predictions(self, *arrays):
-        return self._comm.allgather_interleaved_rows(list(arrays), "the gathering of predictions")
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -457,18 +380,29 @@ class Model(keras.Model):
 
     def _prepare(self, element_spec, compiled_state):
         """Builds every variable, then gives all ranks the master's values (once, or after a change)."""
+        wrapped = self._keras_model
         if compiled_state:
-            self._symbolic_build(data_batch=element_spec)
-        elif not all(layer.built for layer in self._flatten_layers()):
+            if _overrides(wrapped, "train_step") and not _overrides(wrapped, "call"):
+                pass  # a GAN-like model: it has no forward pass of its own to build from
+            else:
+                wrapped._symbolic_build(data_batch=element_spec)
+        elif not all(layer.built for layer in wrapped._flatten_layers()):
             x, _, _ = keras.utils.unpack_x_y_sample_weight(element_spec)
             symbolic = tf.nest.map_structure(lambda s: keras.KerasTensor(s.shape, s.dtype.name), x)
-            self.compute_output_spec(symbolic)
-            self.built = True
+            wrapped.compute_output_spec(symbolic)
+        self.built = True
+        unbuilt = [layer.name for layer in wrapped._flatten_layers(include_self=False) if not layer.built]
+        if unbuilt:
+            raise ValueError(
+                f"Layers {unbuilt[:5]} of {wrapped.name} have no weights yet, so they would be created with "
+                "different random values on each rank. Build them before fit (give each sub-model a "
+                "keras.Input, or call it once on a batch).")
         if self._weights_synced:
             return
         variables = list(self.weights)
-        if self.compiled and self.optimizer is not None and self.optimizer.built:
-            variables += list(self.optimizer.variables)
+        for optimizer in self._step.optimizers():
+            if optimizer.built:
+                variables += list(optimizer.variables)
         _check_same_variables_everywhere(self._comm, variables)
         _broadcast_from_master(self._comm, variables, "the broadcast of the master's weights")
         self._weights_synced = True
@@ -483,22 +417,32 @@ class Model(keras.Model):
 
     @contextlib.contextmanager
     def _keras_output_on_master_only(self):
-        if self._comm.rank == communication.MASTER_RANK or config.output_on_all_devices():
+        """Keras' own messages (EarlyStopping's, ...) go to absl's log on the other ranks, which
+        hides them by default; the user's prints still appear from every rank."""
+        if self._comm.rank == communication.MASTER_RANK or config.output_on_all_devices() or \
+                not keras.config.is_interactive_logging_enabled():
             yield
             return
-        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        keras.config.disable_interactive_logging()
+        try:
             yield
+        finally:
+            keras.config.enable_interactive_logging()
 
 
-def _zero_if_no_samples(grads, batch_size):
-    """An empty micro-batch must add nothing, but 0 * NaN is NaN: e.g. BatchNormalization's
-    mean of zero samples reaches gamma's gradient as NaN * sum(dy) = NaN * 0."""
-    present = [g for g in grads if g is not None]
-    if not present:
-        return grads
-    chosen = iter(tf.cond(batch_size > 0, lambda: [tf.identity(g) for g in present],
-                          lambda: [tf.zeros_like(g) for g in present]))
-    return [None if g is None else next(chosen) for g in grads]
+def _overrides(model, method):
+    return getattr(type(model), method) is not getattr(keras.Model, method)
+
+
+def _refuse_ftrl(optimizer):
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if isinstance(inner, keras.optimizers.Ftrl):
+        raise ValueError(
+            "tnt.Model does not support the Ftrl optimizer. Ftrl is an online method that updates "
+            "per example (built for sparse linear models); tarantella's contract is one update per "
+            "global batch, equal to serial mini-batch training, so, like the original Tarantella, it "
+            "refuses Ftrl instead of changing its meaning. Use another optimizer (SGD, Adam, "
+            "Adagrad, ...) or train with Ftrl serially.")
 
 
 def _check_same_variables_everywhere(comm, variables):

@@ -1,6 +1,6 @@
-"""Saving and loading: the master writes, every file appears whole, loads give tnt.Models.
+"""Saving: the master writes, and every file appears whole.
 
-Published as `tnt.models`. A save goes to a hidden file in the target's folder, which is then
+A save goes to a hidden file in the target's folder, which is then
 renamed over the target: a crash mid-write leaves the previous file as it was. Only the master
 writes unless `tnt_save_all_devices=True`; every rank returns once the file is complete, and
 if a write fails every rank raises. Saved files are plain Keras files, so a serial program
@@ -8,7 +8,6 @@ reads them with `keras.models.load_model`.
 """
 
 import contextlib
-import copy
 import os
 import uuid
 
@@ -67,53 +66,3 @@ def _write_then_rename(path, write, overwrite):
     finally:
         if os.path.exists(partial):
             os.remove(partial)
-
-
-def save_model(model, filepath, overwrite=True, tnt_save_all_devices=False, **kwargs):
-    """Saves a tnt.Model or a keras.Model as a .keras file, written by the master only."""
-    from tarantella.model import Model
-
-    if isinstance(model, Model):
-        return model.save(filepath, overwrite=overwrite, tnt_save_all_devices=tnt_save_all_devices, **kwargs)
-    if not isinstance(model, keras.Model):
-        raise TypeError(f"save_model saves a keras.Model or tnt.Model; got {type(model).__name__}.")
-    write_whole(filepath, lambda partial: model.save(partial, **kwargs), overwrite, tnt_save_all_devices)
-
-
-def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
-    """Loads a saved model as a tnt.Model, compiled (with its optimizer state) if it was saved so.
-
-    Every rank reads the file, so it must be visible to all of them (a shared file system)."""
-    keras_model = keras.models.load_model(filepath, custom_objects=custom_objects, compile=compile,
-                                          safe_mode=safe_mode)
-    return _wrap(keras_model)
-
-
-def model_from_config(config, custom_objects=None):
-    """A new tnt.Model from `model.get_config()`; weights are freshly initialized."""
-    # Keras consumes the config while it rebuilds the model; the caller keeps theirs.
-    return _wrap(keras.saving.deserialize_keras_object(copy.deepcopy(config), custom_objects=custom_objects))
-
-
-def model_from_json(json_string, custom_objects=None):
-    """A new tnt.Model from `model.to_json()`; weights are freshly initialized."""
-    return _wrap(keras.models.model_from_json(json_string, custom_objects=custom_objects))
-
-
-def clone_model(model, **kwargs):
-    """A tnt.Model with the same architecture and new weights (see keras.models.clone_model)."""
-    from tarantella.model import Model
-
-    keras_model = model._keras_model if isinstance(model, Model) else model
-    return Model(keras.models.clone_model(keras_model, **kwargs))
-
-
-def _wrap(keras_model):
-    from tarantella.model import Model
-
-    model = Model(keras_model)
-    if keras_model.compiled:
-        arguments = keras.saving.deserialize_keras_object(keras_model.get_compile_config())
-        arguments["optimizer"] = keras_model.optimizer  # keeps the loaded optimizer state
-        model.compile(**arguments)
-    return model

@@ -41,16 +41,6 @@ def test_summary_prints_the_wrapped_models_layers(capsys):
     assert "hidden (Dense)" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("hook", ["train_step", "compute_loss"])
-def test_models_with_custom_training_logic_are_refused(hook):
-    class Custom(keras.Model):
-        pass
-
-    setattr(Custom, hook, lambda self, *args, **kwargs: None)
-    with pytest.raises(TypeError, match=f"overrides {hook}"):
-        tnt.Model(Custom())
-
-
 def test_wrong_inputs_to_the_wrapper_are_refused():
     with pytest.raises(TypeError, match="wraps a keras.Model"):
         tnt.Model(keras.layers.Dense(2))

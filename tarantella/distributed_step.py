@@ -1,0 +1,326 @@
+"""The distributed step: a Keras step on each rank's micro-batch, combined into the serial step.
+
+`tnt.Model` runs the wrapped model's own `train_step`, `test_step` and `predict_step`
+(Keras' built-in ones, or the user's overrides) inside a `DistributedStep`. While the
+step is traced, it makes four things global:
+
+1. the global batch size B: one allreduce of the rank's sample count m opens the step;
+2. gradients: every optimizer the model holds sums, before it updates, the gradients of
+   all ranks, each weighted by its rank's share m/B of the global batch. For a loss that
+   is a mean over the micro-batch this is the gradient of the serial step;
+3. compiled losses that are not a mean over samples (masked entries, `reduction="sum"`)
+   are rescaled so that the same share weighting still gives the serial loss: a masked
+   mean is divided by the global count of unmasked entries, not the rank's;
+4. metrics: every metric of the model starts the step at zero; afterwards the increments
+   of all ranks are summed (one allreduce) and added to the state the metric had. A mean
+   tracker fed one scalar per step (e.g. the batch loss) is weighted by the share instead.
+   Logs that read a metric's result are recomputed from the combined state; any other
+   number the step returns becomes its share-weighted sum over ranks.
+
+Every collective of a step is a stateful op, so TensorFlow runs them in program order,
+the same on every rank. A rank without samples (a global batch smaller than the number
+of ranks) runs the step on one zero row, because TensorFlow cannot run every layer on
+zero rows, and contributes nothing.
+"""
+
+import contextlib
+import functools
+
+import keras
+import numpy as np
+import tensorflow as tf
+# Keras keeps a tensor's mask in a private attribute; tests/test_keras_internals.py checks it.
+from keras.src.backend.common.masking import get_keras_mask
+
+_MEAN_REDUCTIONS = ("mean", "sum_over_batch_size")
+
+
+class DistributedStep:
+    """Runs the wrapped model's steps so that every rank gets the serial step's results."""
+
+    def __init__(self, communicator, model, gradient_allreduce):
+        self._comm = communicator
+        self._model = model
+        self._gradient_allreduce = gradient_allreduce
+        # (metric variable, rank-local copy) pairs, kept only while a callback asks for the
+        # rank's own values (tnt.keras.callbacks.Callback(aggregate_logs=False)).
+        self.local_metric_state = None
+
+    def train(self, data):
+        return self._run(self._model.train_step, data)
+
+    def test(self, data):
+        return self._run(self._model.test_step, data)
+
+    def predict(self, data):
+        """Every rank gets every prediction, in the order of the global batch."""
+        data, samples = _at_least_one_row(data)
+        y_pred = self._model.predict_step(data)
+        leaves = [leaf[:samples] for leaf in tf.nest.flatten(y_pred)]
+        gathered = tf.numpy_function(self._gather_predictions, leaves, [t.dtype for t in leaves],
+                                     stateful=True, name="tnt_gather_predictions")
+        for full, local in zip(gathered, leaves):
+            full.set_shape([None] + local.shape[1:])
+        return tf.nest.pack_sequence_as(y_pred, gathered)
+
+    def optimizers(self):
+        """Every optimizer the wrapped model holds: `optimizer` and any other attribute (a GAN's
+        `d_optimizer`, ...); an optimizer wrapped by another (LossScaleOptimizer) counts once."""
+        found = {}
+        for value in [getattr(self._model, "optimizer", None), *vars(self._model).values()]:
+            if isinstance(value, keras.optimizers.Optimizer):
+                found[id(value)] = value
+        inner = {id(getattr(o, "inner_optimizer", None)) for o in found.values()}
+        return [o for key, o in found.items() if key not in inner]
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def _run(self, step_function, data):
+        data, samples = _at_least_one_row(data)
+        has_samples = samples > 0
+        samples = tf.cast(samples, tf.float64)
+        global_samples = self._allreduce(tf.reshape(samples, [1]), "the allreduce of micro-batch sizes")[0]
+        step = _StepState(samples, global_samples, has_samples, self)
+
+        metrics = _unique(self._model.metrics)
+        variables = _unique([v for metric in metrics for v in metric.variables])
+        saved = [tf.identity(v.value) for v in variables]
+        for variable in variables:
+            variable.assign(tf.zeros(variable.shape, variable.dtype))
+        with step.tracing(metrics, self.optimizers(), getattr(self._model, "_compile_loss", None)):
+            logs = step_function(data)
+        created = [v for m in _unique(self._model.metrics) for v in m.variables if id(v) not in
+                   {id(known) for known in variables}]
+        if created:
+            raise RuntimeError(
+                f"The step created metric state while it ran ({created[0].path}), so tarantella could not "
+                "combine it across ranks. Build the model's metrics before fit: call the model once on a "
+                "batch, or create the metrics in __init__.")
+        if not isinstance(logs, dict):
+            raise TypeError(f"{type(self._model).__name__}'s step returned {type(logs).__name__}; Keras steps "
+                            "return a dict of logs, e.g. {m.name: m.result() for m in self.metrics}.")
+        increments = [v.value for v in variables]
+        self._record_local(variables, increments, has_samples)
+
+        weights = [step.share if step.fed_per_batch(v) else 1.0 for v in variables]
+        leaves = tf.nest.flatten(logs)
+        numbers = {i: leaf for i, leaf in enumerate(leaves) if id(leaf) not in step.results and _is_number(leaf)}
+        parts = [tf.reshape(tf.cast(inc, tf.float64), [-1]) * w for inc, w in zip(increments, weights)]
+        parts += [tf.reshape(tf.cast(value, tf.float64), [-1]) * step.share for value in numbers.values()]
+        summed = self._allreduce(tf.where(has_samples, tf.concat(parts, 0), 0.0) if parts else
+                                 tf.zeros([0], tf.float64), "the allreduce of metrics")
+        pieces = iter(tf.split(summed, [int(np.prod(p.shape)) for p in parts]) if parts else [])
+        for variable, before in zip(variables, saved):
+            variable.assign(before + tf.cast(tf.reshape(next(pieces), variable.shape), variable.dtype))
+        combined = {i: tf.cast(tf.reshape(next(pieces), value.shape), value.dtype) for i, value in numbers.items()}
+        return tf.nest.pack_sequence_as(logs, step.recompute(leaves, combined))
+
+    def _record_local(self, variables, increments, has_samples):
+        """Advances the rank-local copy of the metric state by this micro-batch alone."""
+        if self.local_metric_state is None:
+            return
+        shadows = dict((id(v), shadow) for v, shadow in self.local_metric_state)
+        for variable, increment in zip(variables, increments):
+            shadow = shadows.get(id(variable))
+            if shadow is not None:
+                shadow.assign_add(tf.where(has_samples, increment, tf.zeros_like(increment)))
+
+    def _allreduce(self, vector, what):
+        summed = tf.numpy_function(functools.partial(self._comm.allreduce_sum, what=what), [vector], tf.float64,
+                                   stateful=True, name="tnt_allreduce")
+        summed.set_shape(vector.shape)
+        return summed
+
+    def _gather_predictions(self, *arrays):
+        return self._comm.allgather_interleaved_rows(list(arrays), "the gathering of predictions")
+
+    def reduce_gradients(self, grads, variables, step):
+        """The share-weighted sum over ranks of each rank's gradients (None stays None)."""
+        weighted = [None if g is None else _scaled(g, step.share, step.has_samples) for g in grads]
+        return self._gradient_allreduce(weighted, variables)
+
+
+class _StepState:
+    """What one traced step knows about the global batch, and the hooks it installs."""
+
+    def __init__(self, samples, global_samples, has_samples, runner):
+        self.has_samples = has_samples
+        self.share = tf.math.divide_no_nan(samples, global_samples)
+        self.inverse_share = tf.math.divide_no_nan(global_samples, samples)
+        self._runner = runner
+        self._per_batch = set()  # ids of metric variables fed one scalar per step
+        self.results = {}  # id(result tensor) -> (metric, key or None)
+
+    def fed_per_batch(self, variable):
+        return id(variable) in self._per_batch
+
+    @contextlib.contextmanager
+    def tracing(self, metrics, optimizers, compile_loss):
+        with contextlib.ExitStack() as stack:
+            for metric in metrics:
+                stack.enter_context(_instance_override(metric, "update_state", self._watch_update(metric)))
+                stack.enter_context(_instance_override(metric, "result", self._watch_result(metric)))
+            for optimizer in optimizers:
+                stack.enter_context(_instance_override(optimizer, "apply", self._reduced_apply(optimizer)))
+            if compile_loss is not None and getattr(compile_loss, "built", False):
+                stack.enter_context(self._global_loss_terms(compile_loss))
+            yield
+
+    def recompute(self, leaves, combined_numbers):
+        """The step's log values, with metric results read again from the combined state."""
+        fresh = {}
+        out = []
+        for index, value in enumerate(leaves):
+            if id(value) in self.results:
+                metric, result_key = self.results[id(value)]
+                if id(metric) not in fresh:
+                    fresh[id(metric)] = metric.result()
+                result = fresh[id(metric)]
+                out.append(result[result_key] if result_key is not None else result)
+            else:
+                out.append(combined_numbers.get(index, value))
+        return out
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def _watch_update(self, metric):
+        original = metric.update_state
+        per_batch_kind = isinstance(metric, (keras.metrics.Mean, keras.metrics.Sum))
+
+        def update_state(*args, **kwargs):
+            values = args[0] if args else kwargs.get("values")
+            weight = args[1] if len(args) > 1 else kwargs.get("sample_weight")
+            if per_batch_kind and weight is None and _rank(values) == 0:
+                self._per_batch.update(id(v) for v in metric.variables)
+            return original(*args, **kwargs)
+
+        return update_state
+
+    def _watch_result(self, metric):
+        original = metric.result
+
+        def result():
+            value = original()
+            if isinstance(value, dict):
+                for key, tensor in value.items():
+                    self.results[id(tensor)] = (metric, key)
+            else:
+                self.results[id(value)] = (metric, None)
+            return value
+
+        return result
+
+    def _reduced_apply(self, optimizer):
+        original = optimizer.apply
+
+        def apply(grads, trainable_variables=None):
+            grads = list(grads)
+            variables = list(trainable_variables if trainable_variables is not None
+                             else optimizer._trainable_variables)
+            return original(self._runner.reduce_gradients(grads, variables, self), trainable_variables)
+
+        return apply
+
+    @contextlib.contextmanager
+    def _global_loss_terms(self, compile_loss):
+        terms = compile_loss._flat_losses  # Keras private; tests/test_keras_internals.py checks it
+        originals = list(terms)
+        terms[:] = [term._replace(loss=_GlobalLossTerm(term.loss, self)) for term in originals]
+        try:
+            yield
+        finally:
+            terms[:] = originals
+
+
+class _GlobalLossTerm:
+    """A compiled loss whose value, weighted by the rank's share, sums to the serial loss."""
+
+    def __init__(self, loss, step):
+        self._loss = loss
+        self._step = step
+
+    def __getattr__(self, name):
+        return getattr(self._loss, name)
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        value = self._loss(y_true, y_pred, sample_weight)
+        reduction = getattr(self._loss, "reduction", "sum_over_batch_size")
+        step = self._step
+        if reduction == "sum":
+            return value * tf.cast(step.inverse_share, value.dtype)
+        mask = get_keras_mask(tf.nest.flatten(y_pred)[0])
+        if reduction in _MEAN_REDUCTIONS and mask is not None:
+            local = tf.reduce_sum(tf.cast(mask, tf.float64))
+        elif reduction == "mean_with_sample_weight" and sample_weight is not None:
+            local = tf.reduce_sum(tf.cast(sample_weight, tf.float64))
+            if mask is not None:
+                local = tf.reduce_sum(tf.cast(sample_weight, tf.float64) * tf.cast(mask, tf.float64))
+        else:
+            return value  # a mean over samples: the share is the right weight
+        local = tf.where(step.has_samples, local, 0.0)
+        total = step._runner._allreduce(tf.reshape(local, [1]), "the allreduce of a loss's entry count")[0]
+        factor = tf.math.divide_no_nan(local, total) * step.inverse_share
+        return value * tf.cast(factor, value.dtype)
+
+
+@contextlib.contextmanager
+def _instance_override(obj, name, replacement):
+    """Replaces a method on one object while a step is traced (Keras objects track attributes
+    they are given, so the instance dictionary is used directly)."""
+    obj.__dict__[name] = replacement
+    try:
+        yield
+    finally:
+        obj.__dict__.pop(name, None)
+
+
+def _scaled(gradient, share, has_samples):
+    """gradient * share, and exactly zero without samples (0 * NaN would be NaN: e.g.
+    BatchNormalization's statistics of a zero row reach gamma's gradient)."""
+    if isinstance(gradient, tf.IndexedSlices):
+        values = gradient.values * tf.cast(share, gradient.values.dtype)
+        values = tf.where(has_samples, values, tf.zeros_like(values))
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    scaled = gradient * tf.cast(share, gradient.dtype)
+    return tf.where(has_samples, scaled, tf.zeros_like(scaled))
+
+
+def _at_least_one_row(data):
+    """The batch and its number of rows m; with m == 0 the batch becomes one zero row."""
+    leaves = tf.nest.flatten(data)
+    batched = [i for i, leaf in enumerate(leaves) if isinstance(leaf, tf.Tensor) and leaf.shape.rank]
+    if not batched:
+        return data, tf.constant(1)
+    tensors = [leaves[i] for i in batched]
+    samples = tf.shape(tensors[0])[0]
+    if any(t.shape[0] is not None and t.shape[0] > 0 for t in tensors):
+        return data, samples  # a static, non-empty batch needs no guard
+    zero_rows = lambda: [tf.zeros(tf.concat([[1], tf.shape(t)[1:]], 0), t.dtype) for t in tensors]
+    guarded = tf.cond(samples > 0, lambda: [tf.identity(t) for t in tensors], zero_rows)
+    for new, old in zip(guarded, tensors):
+        new.set_shape([None] + old.shape[1:])
+    for i, new in zip(batched, guarded):
+        leaves[i] = new
+    return tf.nest.pack_sequence_as(data, leaves), samples
+
+
+def _unique(items):
+    seen, out = set(), []
+    for item in items:
+        if id(item) not in seen:
+            seen.add(id(item))
+            out.append(item)
+    return out
+
+
+def _rank(value):
+    if value is None:
+        return None
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        return np.ndim(value)
+    return len(shape) if getattr(shape, "rank", len(shape)) is not None else None
+
+
+def _is_number(value):
+    return isinstance(value, (tf.Tensor, tf.Variable)) and (value.dtype.is_floating or value.dtype.is_integer)

@@ -1,0 +1,54 @@
+"""Real model shapes and custom training logic train like serial Keras on 1, 2 and 3 ranks.
+
+The worker (tests/workers/real_models.py) trains every case serially with plain Keras and
+under tarantella. Tolerances as in test_equivalence.py: weights atol 1e-5, logs and
+evaluation rtol 1e-5, predictions rtol 1e-5 with atol 1e-6; every rank must end with bitwise-identical weights.
+"""
+
+import numpy as np
+import pytest
+
+from conftest import WORKERS, assert_ok, launch, run_python
+from workers.real_models import CASES
+
+WORKER = WORKERS / "real_models.py"
+
+
+@pytest.fixture(scope="module")
+def serial_dir(scratch):
+    out = scratch / "real-serial"
+    out.mkdir()
+    assert_ok(run_python(WORKER, "--mode", "serial", "--out", out))
+    return out
+
+
+def load(path):
+    with np.load(path) as stored:
+        return {key: stored[key] for key in stored.files}
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_real_models_and_custom_steps_train_like_serial_keras(ranks, serial_dir, scratch):
+    out = scratch / f"real-ranks{ranks}"
+    out.mkdir()
+    assert_ok(launch(ranks, WORKER, "--mode", "tnt", "--out", out, timeout=900))
+    failures = []
+    for case in CASES:
+        serial = load(serial_dir / f"{case}.rank0.npz")
+        per_rank = [load(out / f"{case}.rank{rank}.npz") for rank in range(ranks)]
+        for rank, result in enumerate(per_rank):
+            if sorted(result) != sorted(serial):
+                failures.append(f"{case} rank {rank}: keys {sorted(result)} != serial {sorted(serial)}")
+                continue
+            for key in serial:
+                try:
+                    if key.startswith("weight_"):
+                        np.testing.assert_allclose(result[key], serial[key], rtol=0, atol=1e-5)
+                        np.testing.assert_array_equal(result[key], per_rank[0][key])
+                    elif key == "predictions":
+                        np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-6)
+                    else:
+                        np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-7)
+                except AssertionError as error:
+                    failures.append(f"{case} rank {rank} of {ranks}, {key}: {str(error).strip().splitlines()[-1]}")
+    assert not failures, "\n".join(failures)
