@@ -36,7 +36,9 @@ _READ_FROM_WRAPPED = frozenset({
     "to_json", "get_compile_config", "optimizer", "compute_loss", "compute_metrics",
     "get_metrics_result", "quantize", "dtype_policy", "dtype", "compute_dtype", "variable_dtype",
     "input_dtype", "supports_masking", "trainable_weights", "non_trainable_weights", "trainable_variables",
-    "non_trainable_variables", "weights", "variables", "get_weights",
+    "non_trainable_variables", "weights", "variables", "get_weights", "call_signature_parameters",
+    "get_quantization_layer_structure", "quantized_build", "quantized_call", "rematerialized_call",
+    "stateless_compute_loss", "load_own_variables", "save_own_variables",
 })
 
 

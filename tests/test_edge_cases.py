@@ -30,3 +30,22 @@ def test_xla_with_several_ranks_warns_and_trains_without_it():
     assert_ok(process)
     assert "jit_compile=True is ignored with 2 ranks" in process.stderr
     assert "rank 0: jit_compile False" in process.stdout and "rank 1: jit_compile False" in process.stdout
+
+
+def test_on_batch_methods_and_one_image_predict_equal_serial_keras():
+    process = launch(2, SCENARIOS, "on-batch-methods", timeout=300)
+    assert_ok(process)
+    for rank in range(2):
+        line = next(l for l in process.stdout.splitlines() if l.startswith(f"rank {rank}: "))
+        numbers = line.split()
+        assert float(numbers[3]) < 1e-5 and float(numbers[5]) < 1e-5, line  # weights, logs
+        assert "predict_on_batch (7, 4)" in line and "one image (1, 4)" in line, line
+        assert float(numbers[9]) < 1e-6 and float(numbers[14]) < 1e-6, line
+
+
+def test_user_prints_appear_from_every_rank_and_keras_messages_once():
+    process = launch(2, SCENARIOS, "user-prints", timeout=300)
+    assert_ok(process)
+    for rank in range(2):
+        assert f"user print from rank {rank} epoch 0" in process.stdout, process.stdout
+    assert process.stdout.count("early stopping") == 1, process.stdout

@@ -55,3 +55,49 @@ def test_optimizer_names_and_configs_compile():
         model = tnt.Model(functional())
         model.compile(optimizer, "mse")
         assert isinstance(model.optimizer, keras.optimizers.Optimizer)
+
+
+# What tnt.Model answers itself (docs/guide.md, "What tnt.Model answers itself"): the methods that
+# distribute work or write files, Keras' loop machinery, and state Keras' loop writes on the
+# model it runs. Everything else a user reads must answer as the wrapped model does.
+WRAPPER_OWN = {
+    "fit", "evaluate", "predict", "compile", "train_step", "test_step", "predict_step",
+    "train_on_batch", "test_on_batch", "predict_on_batch", "save", "save_weights", "load_weights",
+    "set_weights", "summary", "from_config", "get_config", "call", "build", "reset_metrics",
+    "make_train_function", "make_test_function", "make_predict_function", "train_function",
+    "test_function", "predict_function", "stop_training", "history", "compiled", "jit_compile",
+    "run_eagerly", "steps_per_execution", "stateless_call", "symbolic_call", "built", "distribute_strategy",
+    "distribute_reduction_method", "export", "get_state_tree", "set_state_tree", "name", "path",
+    "trainable", "add_loss", "add_metric", "add_weight", "add_variable", "build_from_config",
+    "compile_from_config",
+}
+
+
+def test_every_public_attribute_answers_as_the_wrapped_model_does():
+    plain = functional()
+    plain.compile("adam", "mse", metrics=["mae"])
+    model = tnt.Model(plain)
+    model.compile("adam", "mse", metrics=["mae"])
+    x = np.ones((4, 5), np.float32)
+    model.fit(x, np.zeros((4, 2), np.float32), verbose=0)
+    assert model.get_config() == plain.get_config()
+    differing = []
+    for name in dir(plain):
+        if name.startswith("_") or name in WRAPPER_OWN:
+            continue
+        theirs, ours = getattr(plain, name), getattr(model, name)
+        if callable(theirs):
+            same = getattr(ours, "__self__", None) is plain and ours.__func__ is theirs.__func__ \
+                if hasattr(theirs, "__func__") else ours is theirs
+        else:
+            # Some properties build a new object on each read (input_spec): compare what they say.
+            # Some properties build a new object on each read (input_spec, compiled_metrics): compare
+            # what they say, or the kind of object they are.
+            same = ours is theirs or (type(ours) is type(theirs) and (ours == theirs or repr(ours) == repr(theirs)))
+            same = same or "<locals>" in type(ours).__qualname__ and \
+                type(ours).__qualname__ == type(theirs).__qualname__
+        if not same:
+            differing.append(name)
+    assert not differing, f"tnt.Model answers these differently from the wrapped model: {differing}"
+    assert model.compute_output_shape((None, 5)) == plain.compute_output_shape((None, 5))
+    assert repr(model.input_spec) == repr(plain.input_spec)

@@ -178,7 +178,43 @@ def xla_requested():
     report(f"jit_compile {model.jit_compile} loss {history.history['loss'][0]:.6f}")
 
 
+def on_batch_methods():
+    """train_on_batch/test_on_batch/predict_on_batch with one global batch given to every rank,
+    against the same calls on serial Keras in this process; then predict of one image."""
+    def conv_model():
+        keras.utils.set_random_seed(8)
+        return keras.Sequential([keras.Input((6, 6, 1)), keras.layers.Conv2D(3, 3, activation="relu"),
+                                 keras.layers.Flatten(), keras.layers.Dense(4, activation="softmax")])
+
+    serial, model = conv_model(), tnt.Model(conv_model())
+    for m in (serial, model):
+        m.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(size=(7, 6, 6, 1)).astype("float32"), rng.integers(0, 4, 7)
+    for _ in range(3):
+        trained = [m.train_on_batch(x, y, return_dict=True) for m in (serial, model)]
+    tested = [m.test_on_batch(x, y, return_dict=True) for m in (serial, model)]
+    predicted = [m.predict_on_batch(x) for m in (serial, model)]
+    one_image = [m.predict(x[:1], verbose=0) for m in (serial, model)]
+    weights = max(float(np.max(np.abs(a - b))) for a, b in zip(serial.get_weights(), model.get_weights()))
+    logs = max(abs(a[k] - b[k]) for a, b in (trained, tested) for k in a)
+    report(f"weights {weights:.2e} logs {logs:.2e} predict_on_batch {predicted[1].shape} "
+           f"{float(np.max(np.abs(predicted[0] - predicted[1]))):.2e} one image {one_image[1].shape} "
+           f"{float(np.max(np.abs(one_image[0] - one_image[1]))):.2e}")
+
+
+def user_prints_in_callbacks():
+    """A user's callback prints on every rank; Keras' own messages come from the master only."""
+    model = compiled()
+    printer = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: print(f"user print from rank {tnt.get_rank()} epoch {epoch}", flush=True))
+    stopper = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=10.0, verbose=1)
+    model.fit(dataset(), epochs=3, verbose=0, callbacks=[printer, stopper])
+
+
 SCENARIOS = {
+    "on-batch-methods": on_batch_methods,
+    "user-prints": user_prints_in_callbacks,
     "identity": identity,
     "raise-on-rank-1": raise_on_rank_1,
     "kill-rank-1-mid-epoch": kill_rank_1_mid_epoch,

@@ -1,0 +1,42 @@
+"""The private Keras/TensorFlow attributes tarantella's step relies on still exist and mean
+what it assumes. When a Keras release changes one, this file fails first, naming it."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tarantella import distributed_step
+
+
+def test_a_masked_output_carries_its_mask_where_the_step_reads_it():
+    tokens = keras.Input((4,), dtype="int32")
+    output = keras.layers.Dense(2)(keras.layers.Embedding(5, 3, mask_zero=True)(tokens))
+    model = keras.Model(tokens, output)
+    mask = distributed_step.get_keras_mask(model(np.array([[1, 2, 0, 0]])))
+    np.testing.assert_array_equal(mask, [[True, True, False, False]])
+
+
+def test_compiled_losses_are_a_list_of_named_tuples_with_a_replaceable_loss():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile("sgd", keras.losses.MeanSquaredError(reduction="sum"))
+    model._symbolic_build(data_batch=(tf.TensorSpec((None, 3)), tf.TensorSpec((None, 2))))
+    terms = model._compile_loss._flat_losses
+    assert model._compile_loss.built and isinstance(terms, list) and len(terms) == 1
+    assert terms[0].loss.reduction == "sum"
+    assert terms[0]._replace(loss="replaced").loss == "replaced"
+
+
+def test_an_optimizer_knows_the_variables_it_was_built_for():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+    assert [id(v) for v in optimizer._trainable_variables] == [id(v) for v in model.trainable_variables]
+
+
+def test_keras_messages_can_be_routed_away_from_stdout():
+    assert keras.config.is_interactive_logging_enabled()
+    keras.config.disable_interactive_logging()
+    try:
+        assert not keras.config.is_interactive_logging_enabled()
+    finally:
+        keras.config.enable_interactive_logging()
