@@ -29,8 +29,10 @@ import functools
 import keras
 import numpy as np
 import tensorflow as tf
-# Keras keeps a tensor's mask in a private attribute; tests/test_keras_internals.py checks it.
+# Keras keeps a tensor's mask in a private attribute, and computes synchronized
+# BatchNormalization's moments in a private function; tests/test_keras_internals.py checks both.
 from keras.src.backend.common.masking import get_keras_mask
+from keras.src.backend.tensorflow import nn as keras_tensorflow_nn
 
 _MEAN_REDUCTIONS = ("mean", "sum_over_batch_size")
 
@@ -164,6 +166,8 @@ class _StepState:
                 stack.enter_context(_instance_override(optimizer, "apply", self._reduced_apply(optimizer)))
             if compile_loss is not None and getattr(compile_loss, "built", False):
                 stack.enter_context(self._global_loss_terms(compile_loss))
+            stack.enter_context(_module_override(keras_tensorflow_nn, "_compute_moments_sync",
+                                                 self._global_moments))
             yield
 
     def recompute(self, leaves, combined_numbers):
@@ -221,6 +225,37 @@ class _StepState:
 
         return apply
 
+    def _global_moments(self, x, axes, keepdims):
+        """Synchronized BatchNormalization: the mean and variance of the whole global batch.
+
+        One allreduce of (sum, sum of squares, count) per layer call, in forward order; its
+        gradient is the allreduce of the incoming gradients, in backward order."""
+        local = [tf.reduce_sum(x, axis=axes, keepdims=True), tf.reduce_sum(tf.square(x), axis=axes, keepdims=True),
+                 tf.reduce_sum(tf.ones_like(x), axis=axes, keepdims=True)]
+        shape = tf.shape(local[0])
+        flat = tf.concat([tf.reshape(tf.cast(t, tf.float64), [-1]) for t in local], 0)
+        flat = tf.where(self.has_samples, flat, tf.zeros_like(flat))
+        runner = self._runner
+
+        share = self.share
+
+        @tf.custom_gradient
+        def allreduce(vector):
+            def grad(upstream):
+                # Each rank's gradients are weighted by its share only after backprop (in apply), so
+                # the upstream gradients are weighted here, and the weight is taken out again.
+                summed = runner._allreduce(upstream * share, "the allreduce of synchronized "
+                                           "BatchNormalization gradients")
+                return tf.math.divide_no_nan(summed, share)
+            return runner._allreduce(vector, "the allreduce of synchronized BatchNormalization moments"), grad
+
+        total, squares, count = [tf.reshape(tf.cast(t, x.dtype), shape) for t in tf.split(allreduce(flat), 3)]
+        mean = tf.math.divide_no_nan(total, count)
+        variance = tf.maximum(tf.math.divide_no_nan(squares, count) - tf.square(mean), 0.0)
+        if not keepdims:
+            mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+        return mean, variance
+
     @contextlib.contextmanager
     def _global_loss_terms(self, compile_loss):
         terms = compile_loss._flat_losses  # Keras private; tests/test_keras_internals.py checks it
@@ -272,6 +307,16 @@ def _instance_override(obj, name, replacement):
         yield
     finally:
         obj.__dict__.pop(name, None)
+
+
+@contextlib.contextmanager
+def _module_override(module, name, replacement):
+    original = getattr(module, name)
+    setattr(module, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
 
 
 def _scaled(gradient, share, has_samples):

@@ -50,9 +50,13 @@ class Model(keras.Model):
     """Wraps a Keras model so that fit/evaluate/predict split every global batch across ranks.
 
     The wrapped model may override train_step, test_step, predict_step, compute_loss or
-    compute_metrics, use several optimizers, and have its own compile signature."""
+    compute_metrics, use several optimizers, and have its own compile signature.
 
-    def __init__(self, model, parallel_strategy=ParallelStrategy.DATA):
+    synchronized_batch_normalization=True switches every BatchNormalization layer of the model
+    to Keras' `synchronized=True`: each normalizes with the statistics of the whole global
+    batch, so training equals serial training on any number of ranks."""
+
+    def __init__(self, model, parallel_strategy=ParallelStrategy.DATA, synchronized_batch_normalization=False):
         if isinstance(model, Model):
             raise TypeError("This model is already a tnt.Model; wrap the plain Keras model once.")
         if not isinstance(model, keras.Model):
@@ -60,6 +64,13 @@ class Model(keras.Model):
         if parallel_strategy is not ParallelStrategy.DATA:
             raise ValueError(f"Unknown parallel_strategy {parallel_strategy!r}; the only strategy is "
                              "tnt.ParallelStrategy.DATA.")
+        if not isinstance(synchronized_batch_normalization, bool):
+            raise TypeError(f"synchronized_batch_normalization must be True or False; got "
+                            f"{synchronized_batch_normalization!r}.")
+        if synchronized_batch_normalization:
+            for layer in model._flatten_layers():
+                if isinstance(layer, keras.layers.BatchNormalization):
+                    layer.synchronized = True
         super().__init__(name=model.name)
         self._keras_model = model
         self._comm = communication.init()
@@ -367,15 +378,16 @@ class Model(keras.Model):
         # user made holds the micro-batch itself.
         batch = data.global_batch_size(dataset)
         global_batch = batch if distributed_by_us or batch is None else batch * self._comm.size
-        has_batch_normalization = any(isinstance(layer, keras.layers.BatchNormalization)
-                                      for layer in self._flatten_layers())
+        has_batch_normalization = any(isinstance(layer, keras.layers.BatchNormalization) and
+                                      not layer.synchronized for layer in self._flatten_layers())
         if has_batch_normalization and global_batch is not None and \
                 global_batch // self._comm.size < _SMALL_BATCH_NORMALIZATION_BATCH:
             logger.warning(
                 "The model has BatchNormalization layers and micro-batches of %d samples (global batch "
                 "%d over %d ranks). Each rank normalizes with the statistics of its own micro-batch, "
                 "not of the global batch, so training differs from serial training and is noisy below "
-                "%d samples per rank. Use a larger global batch, or fewer ranks.",
+                "%d samples per rank. Use tnt.Model(model, synchronized_batch_normalization=True) to "
+                "normalize with the global batch's statistics (serial results), or a larger global batch.",
                 global_batch // self._comm.size, global_batch, self._comm.size,
                 _SMALL_BATCH_NORMALIZATION_BATCH)
             self._warned_batch_normalization = True

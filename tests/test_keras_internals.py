@@ -40,3 +40,20 @@ def test_keras_messages_can_be_routed_away_from_stdout():
         assert not keras.config.is_interactive_logging_enabled()
     finally:
         keras.config.enable_interactive_logging()
+
+
+def test_synchronized_batch_normalization_computes_its_moments_in_the_function_tarantella_replaces():
+    calls = []
+    original = distributed_step.keras_tensorflow_nn._compute_moments_sync
+
+    def watched(x, axes, keepdims):
+        calls.append(axes)
+        return original(x, axes, keepdims)
+
+    distributed_step.keras_tensorflow_nn._compute_moments_sync = watched
+    try:
+        layer = keras.layers.BatchNormalization(synchronized=True)
+        layer(np.ones((4, 3), np.float32), training=True)
+    finally:
+        distributed_step.keras_tensorflow_nn._compute_moments_sync = original
+    assert calls, "BatchNormalization(synchronized=True) no longer calls _compute_moments_sync"

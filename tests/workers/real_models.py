@@ -109,6 +109,19 @@ def summed_loss(keras, np, tf, wrap):
     return model, tf.data.Dataset.from_tensor_slices((x, y))
 
 
+def synchronized_batch_normalization(keras, np, tf, wrap):
+    rng = np.random.default_rng(13)
+    x = rng.normal(size=(SAMPLES, 6, 6, 2)).astype("float32")
+    y = rng.integers(0, 3, SAMPLES)
+    model = keras.Sequential([keras.Input((6, 6, 2)), keras.layers.Conv2D(4, 3), keras.layers.BatchNormalization(),
+                              keras.layers.ReLU(), keras.layers.Flatten(), keras.layers.Dense(8),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(3, activation="softmax")])
+    if wrap is not _serial:  # the option under test; serially, plain BatchNormalization is the reference
+        model = wrap(model, synchronized_batch_normalization=True)
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model, tf.data.Dataset.from_tensor_slices((x, y))
+
+
 # -- overridden steps ---------------------------------------------------------------------------
 
 def _regression_data(np, tf, seed, with_weights=False):
@@ -359,6 +372,7 @@ CASES = {
     "layer-owned-metric": (layer_owned_metric, True),
     "conv-single-sample-last-batch": (conv_single_sample_last_batch, True),
     "summed-loss": (summed_loss, True),
+    "synchronized-batch-normalization": (synchronized_batch_normalization, True),
     "custom-train-step": (custom_train_step, True),
     "custom-train-step-sample-weight": (custom_train_step_sample_weight, True),
     "custom-test-step": (custom_test_step, True),
@@ -375,7 +389,7 @@ def run_case(name, mode, out_dir):
 
     builder, evaluates = CASES[name]
     keras.utils.set_random_seed(21)
-    rank, wrap = 0, lambda model: model
+    rank, wrap = 0, _serial
     if mode == "tnt":
         import tarantella as tnt
         rank, wrap = tnt.get_rank(), tnt.Model
@@ -392,6 +406,10 @@ def run_case(name, mode, out_dir):
         arrays["predictions"] = np.concatenate(
             [np.reshape(p, (len(p), -1)) for p in _as_list(model.predict(x_only, verbose=0))], axis=1)
     np.savez(os.path.join(out_dir, f"{name}.rank{rank}.npz"), **arrays)
+
+
+def _serial(model):
+    return model
 
 
 def _as_list(predictions):
