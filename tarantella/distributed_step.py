@@ -138,8 +138,7 @@ class DistributedStep:
 
     def reduce_gradients(self, grads, variables, step):
         """The share-weighted sum over ranks of each rank's gradients (None stays None)."""
-        weighted = [None if g is None else _scaled(g, step.share, step.has_samples) for g in grads]
-        return self._gradient_allreduce(weighted, variables)
+        return self._gradient_allreduce(_weighted(grads, step.share, step.has_samples), variables)
 
 
 class _StepState:
@@ -319,15 +318,22 @@ def _module_override(module, name, replacement):
         setattr(module, name, original)
 
 
-def _scaled(gradient, share, has_samples):
-    """gradient * share, and exactly zero without samples (0 * NaN would be NaN: e.g.
-    BatchNormalization's statistics of a zero row reach gamma's gradient)."""
-    if isinstance(gradient, tf.IndexedSlices):
-        values = gradient.values * tf.cast(share, gradient.values.dtype)
-        values = tf.where(has_samples, values, tf.zeros_like(values))
-        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
-    scaled = gradient * tf.cast(share, gradient.dtype)
-    return tf.where(has_samples, scaled, tf.zeros_like(scaled))
+def _weighted(grads, share, has_samples):
+    """Each gradient times the rank's share; exact zeros without samples, where the zero row's
+    gradients may hold NaN (BatchNormalization of one row) and 0 * NaN would stay NaN."""
+    dense = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
+    out = list(grads)
+    if dense:
+        chosen = tf.cond(has_samples, lambda: [grads[i] * tf.cast(share, grads[i].dtype) for i in dense],
+                         lambda: [tf.zeros_like(grads[i]) for i in dense])
+        for i, g in zip(dense, chosen):
+            out[i] = g
+    for i, g in enumerate(grads):
+        if isinstance(g, tf.IndexedSlices):
+            values = g.values * tf.cast(share, g.values.dtype)
+            out[i] = tf.IndexedSlices(tf.where(has_samples, values, tf.zeros_like(values)), g.indices,
+                                      g.dense_shape)
+    return out
 
 
 def _at_least_one_row(data):

@@ -54,11 +54,14 @@ class GradientAllreduce:
         self._comm = communicator
         self._threshold_bytes = threshold_bytes
 
-    def __call__(self, gradients, variables):
-        """`gradients` is aligned with `variables`; None entries stay None.
+    def __call__(self, gradients, variables=None):
+        """Sums `gradients` over ranks; None entries stay None.
 
-        A gradient takes its variable's shape: some ops (an einsum over a 3-D input) leave
-        the gradient's static shape partly unknown."""
+        With `variables` (aligned with `gradients`), each gradient takes its variable's
+        shape: some ops (an einsum over a 3-D input) leave a gradient's static shape partly
+        unknown. Without, the gradients' static shapes must be fully known."""
+        if variables is None:
+            variables = gradients
         backprop_order = [i for i in reversed(range(len(gradients))) if gradients[i] is not None]
         sparse = {i for i in backprop_order if isinstance(gradients[i], tf.IndexedSlices)}
         dense = {i: self._to_wire(tf.reshape(gradients[i], variables[i].shape))
