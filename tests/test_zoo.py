@@ -11,7 +11,7 @@ training mode, a layer that sums over the batch): their bound is the measured di
 and docs/guide.md ("Models") quotes it.
 """
 
-import re
+import os
 
 import numpy as np
 import pytest
@@ -22,8 +22,42 @@ from workers.zoo import CASES
 WORKER = WORKERS / "zoo.py"
 RUN_TIMEOUT_S = 1500
 
-# (case, ranks) -> the failure measured on the current code. strict: a fix flips them.
-KNOWN_FAILURES = {}
+# (case, ranks) -> the failure measured on the current code (issue 8). strict: a fix flips them,
+# and then its entry goes.
+EMBEDDING = "issue 8.1: an Embedding's IndexedSlices gradient: TypeError: Cannot reconcile tf.cond {}-th outputs"
+DENSE_3D = ("issue 8.2: Dense on a 3-D input: the bucket plan reads the gradient's static shape: "
+            "TypeError: unsupported operand type(s) for *: 'NoneType' and 'int' in gradients._nbytes")
+LAYER_METRIC = ("issue 8.3: the endpoint layer's own BinaryAccuracy is not combined over ranks: "
+                "val_endpoint_accuracy differs by {}% relative, evaluate's by {}%")
+EMPTY_CONV2D = ("issue 8.5: the rank with an empty micro-batch runs Conv2D on 0 rows: InvalidArgumentError "
+                "(Relu of conv2d), the other ranks are left waiting")
+PREDICT_ON_BATCH = "issue 8.6: predict_on_batch returns every row once per rank ({} rows for 5 on {} ranks)"
+KNOWN_FAILURES = {
+    **{(case, ranks): EMBEDDING.format(0) for case in (
+        "transformer-encoder-classifier", "transformer-dropout-measured", "transformer-causal-language-model",
+        "seq2seq-gru-encoder-decoder", "bidirectional-lstm-text", "conv1d-text-classifier",
+        "textvectorization-into-embedding", "multi-input-multi-output", "recommender-two-tower-dot")
+       for ranks in CASES[case].ranks},
+    **{(case, ranks): EMBEDDING.format(1) for case in (
+        "recommender-subclassed-per-sample-dot", "recommender-keras-io-tensordot-measured")
+       for ranks in CASES[case].ranks},
+    ("masking-sequence-tagger", 2): DENSE_3D,
+    ("masking-sequence-tagger", 3): DENSE_3D,
+    ("endpoint-layer-owned-metric", 2): LAYER_METRIC.format(13, 5),
+    ("endpoint-layer-owned-metric", 3): LAYER_METRIC.format(16, 16),
+    ("conv2d-empty-micro-batch", 2): EMPTY_CONV2D,
+    ("conv2d-empty-micro-batch", 3): EMPTY_CONV2D,
+    ("on-batch-methods", 2): PREDICT_ON_BATCH.format(10, 2),
+    ("on-batch-methods", 3): PREDICT_ON_BATCH.format(15, 3),
+    ("resnet50v2-bn-frozen", 2): (
+        "not in the issue: ResNet50V2 with frozen BatchNormalization ends 4.7e-5 from serial on 2 ranks, in "
+        "the biases of conv4's 1x1 output convolutions (values ~1.3e-3; momentum differs alike), predictions "
+        "5.5e-5 relative. Not rounding: serial Keras with 1 against 2 threads differs by 1.5e-8, and the first "
+        "batch's gradient equals the sum of its halves' to 1e-6 relative"),
+    ("optimizer-schedule-free-adamw", 2): (
+        "not in the issue: ScheduleFreeAdamW on 2 ranks ends 0.55 from serial in the weights, loss 17% apart "
+        "(serial Keras is deterministic here: 1 against 2 threads differ by 0)"),
+}
 
 
 def outcome(out, case, rank):
@@ -69,7 +103,7 @@ def zoo_runs(scratch):
     def get(ranks):
         if ranks not in runs:
             out = scratch / f"zoo{ranks}"
-            cases = [c for c in CASES if ranks == 0 or ranks in CASES[c].ranks]
+            cases = [c for c in selected_cases() if ranks == 0 or ranks in CASES[c].ranks]
             run_zoo(ranks, out, cases)
             runs[ranks] = out
         return runs[ranks]
@@ -88,13 +122,15 @@ def result(out, case, rank):
     return load(out / f"{case}.rank{rank}.npz")
 
 
-def largest_difference(results, serial, prefixes):
-    return max((float(np.max(np.abs(results[k].astype("float64") - serial[k].astype("float64"))))
-                for k in serial if k.startswith(prefixes) and serial[k].size), default=0.0)
+def selected_cases():
+    """TNT_ZOO_CASES=name,name runs only those cases (to iterate on a few); unset runs all."""
+    wanted = os.environ.get("TNT_ZOO_CASES")
+    return [case for case in CASES if not wanted or case in wanted.split(",")]
 
 
 def parameters():
-    for case, spec in CASES.items():
+    for case in selected_cases():
+        spec = CASES[case]
         for ranks in spec.ranks:
             reason = KNOWN_FAILURES.get((case, ranks))
             marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
