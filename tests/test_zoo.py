@@ -16,11 +16,11 @@ import os
 import numpy as np
 import pytest
 
-from conftest import WORKERS, assert_ok, launch, run_python
+from conftest import WORKERS, launch, run_python
 from workers.zoo import CASES
 
 WORKER = WORKERS / "zoo.py"
-RUN_TIMEOUT_S = 1500
+RUN_TIMEOUT_S = 3600  # a last resort: the worker's watchdog ends a hung case after 600 s
 
 # (case, ranks) -> the failure measured on the current code (issue 8). strict: a fix flips them,
 # and then its entry goes.
@@ -80,10 +80,9 @@ def run_zoo(ranks, out, cases):
         counted = max(ranks, 1)
         done = [c for c in pending if all(outcome(out, c, r) for r in range(counted))]
         left = [c for c in pending if c not in done]
-        if left and process.returncode == 0:
-            assert_ok(process)
-        if left:
-            # The first case left is the one the run died in: its missing ranks get the run's end as result.
+        assert not (left and process.returncode == 0), f"the run ended well but skipped {left}:\n{process.stderr}"
+        if left and not done:
+            # The run died in the first case left without a result from every rank: that is its result.
             died_in = left[0]
             for rank in range(counted):
                 if outcome(out, died_in, rank) is None:
@@ -147,7 +146,7 @@ def test_zoo_case_trains_like_serial_keras(case, ranks, zoo_runs):
     for rank, results in enumerate(per_rank):
         assert sorted(results) == sorted(k for k in serial if k != "clip_sensitivity"), (case, rank)
         for key in results:
-            context = f"case {case}, rank {rank} of {ranks}, {key}"
+            context = f"case {case}, rank {rank} of {ranks}, {key} {CASES[case].note}"
             if key.startswith(("weight_", "optimizer_")):
                 np.testing.assert_array_equal(results[key], per_rank[0][key], err_msg=context + " vs rank 0")
                 np.testing.assert_allclose(results[key], serial[key], rtol=0, atol=weights_atol, err_msg=context)

@@ -9,7 +9,9 @@ compares the files with serial Keras.
 Data is synthetic, seeded and of realistic shapes. Unless a case says otherwise, 37 training
 samples in batches of 16 give batches of 16, 16 and 5: the last one splits 3/2 on 2 ranks
 and 2/2/1 on 3. Dropout is off (rate 0) wherever a case is compared for equality: dropout
-draws its masks per micro-batch, so no seed makes it serial-equal (see `dropout-measured`).
+draws its masks per micro-batch, so no seed makes it serial-equal (see
+`transformer-dropout-measured`). BatchNormalization is frozen (trainable=False) for the same
+reason (see `mobilenetv3small-bn-trainable-measured`).
 
 Nothing may hang: after a case, every rank waits (through files, not MPI) until every rank
 has written its result. If the ranks disagree (some raised, some did not), the collectives
@@ -44,7 +46,7 @@ class Case:
         self.on_batch = on_batch  # train_on_batch, test_on_batch, predict_on_batch instead of fit
         # Looser bounds for cases that are not serial-equal by design: {"weights": atol, "logs": rtol}.
         self.tolerance = tolerance or {}
-        self.note = note
+        self.note = note  # why the case is not serial-equal, and what was measured; shown when it fails
 
 
 CASES = {}
@@ -127,8 +129,9 @@ def _resnet50v2(keras, np, rng):
                           application_classifier(keras, backbone), keras.optimizers.SGD(0.01, momentum=0.9))
 
 
-@case("mobilenetv3small-bn-trainable-measured", save_load=False, tolerance={"weights": 1e-1, "logs": 1.0},
-      note="BatchNormalization in training mode normalizes each micro-batch by its own statistics")
+@case("mobilenetv3small-bn-trainable-measured", save_load=False, tolerance={"weights": 0.3, "logs": 0.5},
+      note="BatchNormalization in training mode normalizes each micro-batch by its own statistics; measured "
+           "on 2 ranks: weights 0.14 apart (moving statistics included), training loss 3%, predictions 2e-3")
 def _mobilenetv3_trainable(keras, np, rng):
     # Two full batches of 16, 8 samples per rank: BatchNormalization trains as users leave it.
     backbone = keras.applications.MobileNetV3Small(input_shape=(32, 32, 3), include_top=False, weights=None,
@@ -230,7 +233,7 @@ def _transformer_classifier(keras, np, rng):
 
 
 @case("transformer-dropout-measured", ranks=(2,), save_load=False, tolerance={"weights": 1e-1, "logs": 1.0},
-      note="Dropout draws its masks per micro-batch")
+      note="Dropout draws its masks per micro-batch; the bound is a guess until Embedding trains on 2 ranks")
 def _transformer_dropout(keras, np, rng):
     tokens = token_sequences(np, rng, SAMPLES + VALIDATION_SAMPLES, 20, 100)
     return classification(keras, np, rng, tokens, 2, transformer_classifier(keras, 20, 100, 16, rate=0.1),
@@ -408,7 +411,8 @@ def _recommender(keras, np, rng):
 
 @case("recommender-keras-io-tensordot-measured", ranks=(2,), save_load=False,
       tolerance={"weights": 1e-1, "logs": 1.0},
-      note="tensordot(user, item, 2) sums over the batch: each rank sums its micro-batch only")
+      note="tensordot(user, item, 2) sums over the batch: each rank sums its micro-batch only; the bound is "
+           "a guess until Embedding trains on 2 ranks")
 def _recommender_coupled(keras, np, rng):
     return recommender_spec(keras, np, rng, coupled=True)
 
@@ -525,7 +529,8 @@ def _endpoint(keras, np, rng):
 
 
 @case("mixed-float16-loss-scale", tolerance={"weights": 1e-3, "logs": 1e-3},
-      note="float16 activations round differently when a batch is split")
+      note="float16 activations round differently when a batch is split; measured on 2 ranks: weights 5e-5, "
+           "predictions 3e-4 relative")
 def _mixed_float16(keras, np, rng):
     layers = keras.layers
     keras.mixed_precision.set_dtype_policy("mixed_float16")  # the runner restores the previous policy
