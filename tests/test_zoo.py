@@ -49,11 +49,6 @@ KNOWN_FAILURES = {
     ("conv2d-empty-micro-batch", 3): EMPTY_CONV2D,
     ("on-batch-methods", 2): PREDICT_ON_BATCH.format(10, 2),
     ("on-batch-methods", 3): PREDICT_ON_BATCH.format(15, 3),
-    ("resnet50v2-bn-frozen", 2): (
-        "not in the issue: ResNet50V2 with frozen BatchNormalization ends 4.7e-5 from serial on 2 ranks, in "
-        "the biases of conv4's 1x1 output convolutions (values ~1.3e-3; momentum differs alike), predictions "
-        "5.5e-5 relative. Not rounding: serial Keras with 1 against 2 threads differs by 1.5e-8, and the first "
-        "batch's gradient equals the sum of its halves' to 1e-6 relative"),
     ("optimizer-schedule-free-adamw", 2): (
         "not in the issue: ScheduleFreeAdamW on 2 ranks ends 0.55 from serial in the weights, loss 17% apart "
         "(serial Keras is deterministic here: 1 against 2 threads differ by 0)"),

@@ -120,7 +120,11 @@ def freeze_batch_normalization(keras, model):
             layer.trainable = False
 
 
-@case("resnet50v2-bn-frozen", ranks=(2,))
+@case("resnet50v2-bn-frozen", tolerance={"weights": 1e-4, "logs": 1e-4},
+      note="ResNet50V2 amplifies rounding: measured on 2 ranks 4.7e-5 in the weights, on single channels (e.g. "
+           "channel 343 of every conv4 output bias, as when one ReLU or max-pool tie flips), predictions 5.5e-5 "
+           "relative; serial Keras alone: 1.5e-8 between thread counts, 1e-6 relative between a batch's "
+           "gradient and the sum of its halves'")
 def _resnet50v2(keras, np, rng):
     backbone = keras.applications.ResNet50V2(include_top=False, weights=None, input_shape=(32, 32, 3),
                                              pooling="avg")
