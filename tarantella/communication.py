@@ -177,9 +177,27 @@ class Communicator:
 
     def _reduce_bucket(self, bucket):
         if isinstance(bucket, tuple):
-            return tuple(self._allgather_rows(array) for array in bucket)
+            return self._reduce_sparse(*bucket)
         self._allreduce_bucket(bucket)
         return bucket
+
+    def _reduce_sparse(self, indices, values):
+        """A sparse gradient as a serial step on the global batch would have it.
+
+        Rows looked up per sample (tokens) give every rank different indices: the serial
+        gradient holds all of them, so the slices are concatenated. Rows looked up
+        independently of the batch (positions: every rank looks up the same indices) give one
+        slice per index holding the sum over the batch, so the values are summed."""
+        from mpi4py import MPI
+        gathered = self._allgather_rows(indices)
+        count = indices.shape[0]
+        ranks_alike = gathered.shape[0] == count * self.size and (count == 0 or np.array_equal(
+            gathered.reshape(self.size, count), np.broadcast_to(indices, (self.size, count))))
+        if ranks_alike:
+            values = np.array(values, copy=True, order="C")
+            self._mpi.Allreduce(MPI.IN_PLACE, values, op=MPI.SUM)
+            return indices, values
+        return gathered, self._allgather_rows(values)
 
     def _allgather_rows(self, array):
         """Every rank's rows of `array`, concatenated in rank order (runs on the worker)."""

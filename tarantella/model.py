@@ -378,8 +378,9 @@ class Model(keras.Model):
         # user made holds the micro-batch itself.
         batch = data.global_batch_size(dataset)
         global_batch = batch if distributed_by_us or batch is None else batch * self._comm.size
-        has_batch_normalization = any(isinstance(layer, keras.layers.BatchNormalization) and
-                                      not layer.synchronized for layer in self._flatten_layers())
+        # A frozen layer (trainable=False) runs in inference mode in Keras 3: no batch statistics.
+        has_batch_normalization = any(isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
+                                      and not layer.synchronized for layer in self._flatten_layers())
         if has_batch_normalization and global_batch is not None and \
                 global_batch // self._comm.size < _SMALL_BATCH_NORMALIZATION_BATCH:
             logger.warning(
