@@ -12,6 +12,8 @@ its own rows: the global batch is never built.
 """
 
 import logging
+import os
+import struct
 
 import keras
 import numpy as np
@@ -70,6 +72,8 @@ def distribute(dataset, rank, size):
         return _with_seeds(chain, len(chain), dataset)
     if _batches_own_rows(chain, batch_index):
         distributed = _own_micro_batches(chain, batch_index, base, rank, size)
+        if int(dataset.cardinality()) >= 0:  # one micro-batch per global batch; tells Keras the steps
+            distributed = distributed.apply(tf.data.experimental.assert_cardinality(dataset.cardinality()))
     else:
         _info_once("tarantella: each rank builds the whole global batch and keeps its rows, because the "
                    "dataset's last batch %s. Use batch() with a constant size for per-rank batches.",
@@ -142,20 +146,71 @@ def _own_micro_batches(chain, batch_index, base, rank, size):
     while first_split > 0 and type(chain[first_split - 1]).__name__ in _MAPS + ("_PrefetchDataset",):
         first_split -= 1
     maps = [node for node in chain[first_split:batch_index] if type(node).__name__ in _MAPS]
-    _explain_work_on_every_rank(chain, first_split, base)
     if any(_draws_random_numbers(node._map_func) for node in maps):
         _info_once("tarantella: a map before batch() draws random numbers (or changes a variable); each "
                    "rank runs it only for its own samples, so draws come from per-rank streams and differ "
                    "from a serial run's. For draws that equal serial training, use stateless random ops "
                    "seeded per sample (see 'Random augmentation' in docs/guide.md).")
-    samples = _with_seeds(chain, first_split, base)
-    micro_batches = _micro_batches_of_rank(samples, maps, chain[batch_index], rank, size)
+    per_sample = [lambda dataset, node=node: _reapply_map(node, dataset) for node in maps]
+    record_index = _record_index(base) if all(
+        type(node).__name__ in _POSITION_ONLY for node in chain[:first_split]) else None
+    if record_index is not None:  # each rank reads only its own records' bytes, in a map of its own
+        samples = _with_seeds(chain, first_split, record_index, rebuild_all=True)
+        per_sample.insert(0, lambda dataset: dataset.map(_read_record, num_parallel_calls=tf.data.AUTOTUNE,
+                                                         deterministic=True))
+    else:
+        _explain_work_on_every_rank(chain, first_split, base)
+        samples = _with_seeds(chain, first_split, base)
+    micro_batches = _micro_batches_of_rank(samples, per_sample, chain[batch_index], rank, size)
     for node in chain[batch_index + 1:]:
         micro_batches = _REAPPLY[type(node).__name__](node, micro_batches)
     return micro_batches
 
 
-def _micro_batches_of_rank(samples, maps, batch_node, rank, size):
+# Transformations whose output depends only on the positions of their input elements.
+_POSITION_ONLY = {"_ShuffleDataset", "_RepeatDataset", "_TakeDataset", "_SkipDataset", "_PrefetchDataset"}
+
+
+def _record_index(dataset):
+    """For a TFRecordDataset over a fixed list of uncompressed files, read in order: a dataset of
+    (file, offset, length), one per record, in the same order. Else None.
+
+    Only the 12-byte record headers are read, so a rank can then read just its own records."""
+    if type(dataset).__name__ != "TFRecordDatasetV2" or dataset._num_parallel_reads is not None or \
+            (dataset._compression_type is not None and tf.get_static_value(dataset._compression_type) != b"") or \
+            type(dataset._filenames).__name__ != "_TensorSliceDataset":
+        return None
+    files, offsets, lengths = [], [], []
+    for path in dataset._filenames.as_numpy_iterator():
+        path = os.fsdecode(path)
+        with open(path, "rb") as records:
+            end, offset = os.fstat(records.fileno()).st_size, 0
+            while offset < end:
+                records.seek(offset)
+                length, = struct.unpack("<Q", records.read(8))
+                files.append(path)
+                offsets.append(offset + 12)  # after the length and its checksum
+                lengths.append(length)
+                offset += 12 + length + 4  # the record and its checksum
+    return tf.data.Dataset.from_tensor_slices((files, np.array(offsets, np.int64), np.array(lengths, np.int64)))
+
+
+_open_files = {}
+
+
+def _read_bytes(path, offset, length):
+    path = os.fsdecode(path)
+    if path not in _open_files:
+        _open_files[path] = os.open(path, os.O_RDONLY)
+    return os.pread(_open_files[path], int(length), int(offset))
+
+
+@tf.autograph.experimental.do_not_convert
+def _read_record(path, offset, length):
+    return tf.ensure_shape(tf.numpy_function(_read_bytes, [path, offset, length], tf.string, stateful=False), [])
+
+
+def _micro_batches_of_rank(samples, per_sample, batch_node, rank, size):
     """Per global batch, the rank's samples mapped and batched: exactly one micro-batch each.
 
     The rank keeps, besides its own samples, one marker row per global batch (its first row;
@@ -176,8 +231,8 @@ def _micro_batches_of_rank(samples, maps, batch_node, rank, size):
 
     def micro_batch(_, window):
         batch = window.filter(owned).map(lambda _, sample: sample)
-        for node in maps:
-            batch = _reapply_map(node, batch)
+        for apply in per_sample:
+            batch = apply(batch)
         batch = batch.batch(max(rows, 1)).concatenate(tf.data.Dataset.from_tensors(no_rows)).take(1)
         if drop_remainder:
             complete = window.reduce(False, lambda seen, element: tf.logical_or(
@@ -205,9 +260,9 @@ def _explain_work_on_every_rank(chain, first_split, base):
     readers = [node for node in _nodes_below(base) if type(node).__name__ in _FILE_READERS + _INTERLEAVES]
     readers += [node for node in chain[:first_split] if type(node).__name__ in _INTERLEAVES]
     if readers:
-        _info_once("tarantella: every rank reads all records of the %s, to keep the serial sample order. "
-                   "To read about 1/p of the bytes per rank, list the files (or one file per sample) and "
-                   "read them in a map before batch() (see 'File sources' in docs/guide.md).",
+        _info_once("tarantella: every rank reads every record that the %s yields, to keep the serial sample "
+                   "order. To read about 1/p of the bytes per rank, read files in a map before batch(), or "
+                   "use one TFRecordDataset over the list of files (see 'File sources' in docs/guide.md).",
                    _name(readers[0]))
 
 
@@ -273,13 +328,13 @@ def _must_rebuild(node):
         getattr(node, "_deterministic", None) == "false"
 
 
-def _with_seeds(chain, stop, base):
+def _with_seeds(chain, stop, base, rebuild_all=False):
     """The dataset chain[stop - 1] (or `base`), re-applied from the lowest transformation that must
-    change: a shuffle without a seed, or one that may deliver out of order."""
-    must_change = [index for index in range(stop) if _must_rebuild(chain[index])]
-    if not must_change:
+    change: a shuffle without a seed, or one that may deliver out of order (from `base`, if all)."""
+    must_change = [0] if rebuild_all else [index for index in range(stop) if _must_rebuild(chain[index])]
+    if not must_change or stop == 0:
         return chain[stop - 1] if stop else base
-    rebuilt = chain[must_change[0]]._input_dataset
+    rebuilt = base if rebuild_all else chain[must_change[0]]._input_dataset
     for node in chain[must_change[0]:stop]:
         rebuilt = _REAPPLY[type(node).__name__](node, rebuilt)
     return rebuilt

@@ -92,6 +92,7 @@ PIPELINES_2_AND_4_RANKS = {
         stateless_augment, num_parallel_calls=2).batch(12),
     "png-files": lambda: png_files().shuffle(N).map(read_png, num_parallel_calls=3).batch(10),
     "tfrecord": lambda: tf.data.TFRecordDataset(record_files()).map(parse_record).batch(16),
+    "shuffled-records": lambda: tf.data.TFRecordDataset(record_files()).shuffle(N).map(parse_record).batch(16),
     "interleaved-records": lambda: tf.data.Dataset.from_tensor_slices(record_files()).interleave(
         tf.data.TFRecordDataset, cycle_length=2, num_parallel_calls=2, deterministic=False).map(
         parse_record).batch(16),
@@ -235,19 +236,38 @@ def test_files_are_read_only_by_the_rank_that_trains_on_them():
     assert not set(per_rank[0]) & set(per_rank[1])
 
 
+def test_a_rank_reads_only_its_own_records_of_a_tfrecord_dataset(monkeypatch):
+    ranks, read = 2, []
+    original = data._read_bytes
+
+    def read_and_note(path, offset, length):
+        read.append((tf.compat.as_str(path), int(offset)))
+        return original(path, offset, length)
+
+    monkeypatch.setattr(data, "_read_bytes", read_and_note)
+    per_rank = []
+    for rank in range(ranks):
+        read.clear()
+        shard = batches(data.distribute(PIPELINES["shuffled-records"](), rank, ranks))
+        assert len(read) == sum(len(labels) for _, labels in shard)
+        per_rank.append(set(read))
+    assert len(per_rank[0] | per_rank[1]) == N and not per_rank[0] & per_rank[1]
+
+
 def test_info_lines_name_what_every_rank_does_in_full(caplog):
     data._said.clear()
     with caplog.at_level("INFO", logger="tarantella"):
         data.distribute(PIPELINES["map-then-filter"](), 0, 2)
         data.distribute(tensor_slices().map(COUNTED_MAPS["random"]).batch(8), 0, 2)
-        data.distribute(PIPELINES["tfrecord"](), 0, 2)
+        data.distribute(PIPELINES["interleaved-records"](), 0, 2)
         data.distribute(PIPELINES["stateless-random-map"](), 0, 2)  # splits exactly: says nothing
+        data.distribute(PIPELINES["shuffled-records"](), 0, 2)  # reads only its own records: says nothing
     said = lambda: [record.getMessage() for record in caplog.records if record.name == "tarantella"]
     lines = said()
     assert len(lines) == 3, lines
     assert "map runs on every rank for every sample, because the Filter after it" in lines[0]
     assert "draws random numbers" in lines[1] and "per-rank streams" in lines[1]
-    assert "reads all records of the TFRecord" in lines[2]
+    assert "reads every record that the ParallelInterleave yields" in lines[2]
     data.distribute(PIPELINES["map-then-filter"](), 1, 2)
     assert said() == lines, "each line is said once per process"
 
