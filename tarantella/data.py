@@ -151,17 +151,19 @@ def _own_micro_batches(chain, batch_index, base, rank, size):
                    "rank runs it only for its own samples, so draws come from per-rank streams and differ "
                    "from a serial run's. For draws that equal serial training, use stateless random ops "
                    "seeded per sample (see 'Random augmentation' in docs/guide.md).")
-    per_sample = [lambda dataset, node=node: _reapply_map(node, dataset) for node in maps]
+    per_sample = [_reuse(node._map_func) for node in maps]
+    parallel = [_static(node._num_parallel_calls) for node in maps if hasattr(node, "_num_parallel_calls")]
+    parallel = tf.data.AUTOTUNE if tf.data.AUTOTUNE in parallel else max(parallel, default=None)
     record_index = _record_index(base) if all(
         type(node).__name__ in _POSITION_ONLY for node in chain[:first_split]) else None
     if record_index is not None:  # each rank reads only its own records' bytes, in a map of its own
         samples = _with_seeds(chain, first_split, record_index, rebuild_all=True)
-        per_sample.insert(0, lambda dataset: dataset.map(_read_record, num_parallel_calls=tf.data.AUTOTUNE,
-                                                         deterministic=True))
+        per_sample.insert(0, _read_record)
+        parallel = parallel or tf.data.AUTOTUNE
     else:
         _explain_work_on_every_rank(chain, first_split, base)
         samples = _with_seeds(chain, first_split, base)
-    micro_batches = _micro_batches_of_rank(samples, per_sample, chain[batch_index], rank, size)
+    micro_batches = _micro_batches_of_rank(samples, per_sample, parallel, chain[batch_index], rank, size)
     for node in chain[batch_index + 1:]:
         micro_batches = _REAPPLY[type(node).__name__](node, micro_batches)
     return micro_batches
@@ -210,8 +212,9 @@ def _read_record(path, offset, length):
     return tf.ensure_shape(tf.numpy_function(_read_bytes, [path, offset, length], tf.string, stateful=False), [])
 
 
-def _micro_batches_of_rank(samples, per_sample, batch_node, rank, size):
-    """Per global batch, the rank's samples mapped and batched: exactly one micro-batch each.
+def _micro_batches_of_rank(samples, per_sample, parallel, batch_node, rank, size):
+    """Per global batch, the rank's samples mapped (`per_sample` functions) and batched: exactly one
+    micro-batch each.
 
     The rank keeps, besides its own samples, one marker row per global batch (its first row;
     its last with drop_remainder) that it never maps: a global batch in which the rank owns
@@ -221,27 +224,60 @@ def _micro_batches_of_rank(samples, per_sample, batch_node, rank, size):
     rows = micro_batch_size(batch_size, rank, size)
     marker = batch_size - 1 if drop_remainder else 0
     kept_per_batch = rows + (0 if marker % size == rank else 1)
-    no_rows = tf.nest.map_structure(_no_rows, batch_node.element_spec)
 
-    def owned(position, _):
+    def owned(position, _=None):
         return tf.equal(position % batch_size % size, rank)
 
-    def kept(position, sample):
-        return tf.logical_or(owned(position, sample), tf.equal(position % batch_size, marker))
+    def kept(position, _):
+        return tf.logical_or(owned(position), tf.equal(position % batch_size, marker))
+
+    def run(element):
+        for function in per_sample:
+            element = function(*element) if isinstance(element, tuple) else function(element)
+        return element
+
+    kept_samples = samples.enumerate().filter(kept)
+    sample_spec = batch_node._input_dataset.element_spec
+    if per_sample and not all(spec.shape.is_fully_defined() for spec in tf.nest.flatten(sample_spec)):
+        return _micro_batches_in_windows(kept_samples, run, parallel, batch_node, rows, kept_per_batch,
+                                         owned, marker)
+
+    @tf.autograph.experimental.do_not_convert
+    def mapped_if_owned(position, sample):
+        # the marker row becomes zeros of the right shape; the rank drops it after batching
+        placeholder = lambda: tf.nest.map_structure(lambda spec: tf.zeros(spec.shape, spec.dtype), sample_spec)
+        return position, tf.cond(owned(position), lambda: run(sample), placeholder) if per_sample else sample
+
+    @tf.autograph.experimental.do_not_convert
+    def own_rows(positions, batch):
+        mine = owned(positions)
+        return tf.nest.map_structure(lambda rows_: tf.boolean_mask(rows_, mine), batch)
+
+    batches = kept_samples.map(mapped_if_owned, num_parallel_calls=parallel,
+                               deterministic=True if parallel else None).batch(kept_per_batch)
+    if drop_remainder:  # a complete global batch has its last row, the marker
+        batches = batches.filter(lambda positions, _: tf.reduce_any(tf.equal(positions % batch_size, marker)))
+    return batches.map(own_rows)
+
+
+def _micro_batches_in_windows(kept_samples, run, parallel, batch_node, rows, kept_per_batch, owned, marker):
+    """As _micro_batches_of_rank, for samples of shapes not known in advance (no placeholder row can
+    stand for the marker): each global batch's rows are mapped and batched in a window of their own."""
+    batch_size = int(tf.get_static_value(batch_node._batch_size))
+    no_rows = tf.nest.map_structure(_no_rows, batch_node.element_spec)
 
     def micro_batch(_, window):
-        batch = window.filter(owned).map(lambda _, sample: sample)
-        for apply in per_sample:
-            batch = apply(batch)
+        batch = window.filter(owned).map(lambda _, sample: run(sample), num_parallel_calls=parallel,
+                                         deterministic=True if parallel else None)
         batch = batch.batch(max(rows, 1)).concatenate(tf.data.Dataset.from_tensors(no_rows)).take(1)
-        if drop_remainder:
+        if tf.get_static_value(batch_node._drop_remainder):  # a complete global batch has its last row
             complete = window.reduce(False, lambda seen, element: tf.logical_or(
                 seen, tf.equal(element[0] % batch_size, marker)))
             batch = batch.take(tf.cast(complete, tf.int64))
         return batch
 
-    return samples.enumerate().filter(kept).group_by_window(
-        lambda position, _: position // batch_size, micro_batch, window_size=kept_per_batch)
+    return kept_samples.group_by_window(lambda position, _: position // batch_size, micro_batch,
+                                        window_size=kept_per_batch)
 
 
 def _no_rows(spec):
