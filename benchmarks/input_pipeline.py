@@ -12,7 +12,8 @@ built and iterated in this one process, rank after rank (as tests/test_data_dist
 does). Columns, for the busiest rank:
   samples   per-sample map calls per epoch (counted by a numpy_function inside the map)
   MB read   bytes of files/records the map received per epoch
-  batch KB  the largest batch the rank materializes (bytes of all its tensors)
+  batch KB  the largest batch the rank yields (bytes of all its tensors); before yielding it, the
+            rank's batch holds one zero marker row more where another rank owns the first row
   epoch s   seconds for one epoch of the rank's pipeline alone: the fastest of --repeats epochs
             after a first one that warms up tracing; at p = 1 and 2 only (p = 4 is counted, not timed).
 Targets (issue 11): samples <= 0.55 of p = 1 at p = 2 and <= 0.3 at p = 4; batch bytes <= 0.55
