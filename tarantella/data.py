@@ -197,14 +197,10 @@ def _record_index(dataset):
     return tf.data.Dataset.from_tensor_slices((files, np.array(offsets, np.int64), np.array(lengths, np.int64)))
 
 
-_open_files = {}
-
-
 def _read_bytes(path, offset, length):
-    path = os.fsdecode(path)
-    if path not in _open_files:
-        _open_files[path] = os.open(path, os.O_RDONLY)
-    return os.pread(_open_files[path], int(length), int(offset))
+    # opened per record: a data set of thousands of files would exhaust file descriptors if kept open
+    with open(os.fsdecode(path), "rb") as records:
+        return os.pread(records.fileno(), int(length), int(offset))
 
 
 @tf.autograph.experimental.do_not_convert
