@@ -312,6 +312,10 @@ def test_tensorflow_still_has_the_private_attributes_tarantella_reads():
         assert type(dataset).__name__ in data._REAPPLY, type(dataset).__name__
         for attribute in attributes:
             assert hasattr(dataset, attribute), f"{type(dataset).__name__}.{attribute}"
+    records = tf.data.TFRecordDataset(record_files())
+    assert type(records).__name__ == "TFRecordDatasetV2" and type(records._filenames).__name__ == "_TensorSliceDataset"
+    assert records._num_parallel_reads is None and records._compression_type is None
+    assert data._record_index(records) is not None
     map_func = source.map(lambda x, y: (x, y))._map_func
     assert hasattr(map_func, "_input_structure") and hasattr(map_func, "output_structure")
     assert data._may_reorder(PIPELINES["interleaved-records"]()._input_dataset._input_dataset)
