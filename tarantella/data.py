@@ -84,6 +84,7 @@ def distribute(dataset, rank, size):
         options = tf.data.Options()
         options.deterministic = True
         distributed = distributed.with_options(options)
+    distributed._tarantella_global_batch_size = global_batch  # global_batch_size() answers for the rank's dataset
     return distributed
 
 
@@ -116,7 +117,10 @@ def _global_batch_index(chain):
 
 
 def global_batch_size(dataset):
-    """The batch size of the pipeline's last `batch` when it is a constant, else None."""
+    """The batch size of the pipeline's last `batch` when it is a constant, else None (for a rank's
+    distributed dataset: the global batch it was split from)."""
+    if hasattr(dataset, "_tarantella_global_batch_size"):
+        return dataset._tarantella_global_batch_size
     chain = _rebuildable_chain(dataset)
     return _static_batch_size(chain, _global_batch_index(chain))
 

@@ -340,3 +340,9 @@ def test_unseeded_shuffle_that_cannot_be_rebuilt_is_refused():
     zipped = tf.data.Dataset.zip((shuffled, tensor_slices())).batch(8)
     with pytest.raises(ValueError, match=r"shuffle\(buffer_size, seed=42\)"):
         data.distribute(zipped, 0, 2)
+
+
+def test_a_ranks_dataset_tells_the_global_batch_size_it_was_split_from():
+    # model.py reads it from the rank's dataset (the BatchNormalization warning)
+    assert data.global_batch_size(data.distribute(tensor_slices().map(lambda x, y: (x, y)).batch(16), 1, 2)) == 16
+    assert data.global_batch_size(data.distribute(PIPELINES["padded-batch"](), 1, 3)) == 8
