@@ -6,12 +6,14 @@ and every rank runs the same number of steps (a rank may get an empty micro-batc
 when a batch has fewer samples than there are ranks; it then contributes nothing).
 
 All ranks walk the same sample sequence, so shuffles must be seeded alike: a shuffle
-without a seed gets a fixed default one. Per-sample `map`s placed directly before
-`batch` run, on each rank, only for the samples it owns; the others are replaced by
-zero placeholders that never leave the rank's global batch view.
+without a seed gets a fixed default one. The per-sample `map`s placed directly before
+`batch` run, on each rank, only for the samples it owns, and each rank batches only
+its own rows: the global batch is never built.
 """
 
 import logging
+import os
+import struct
 
 import keras
 import numpy as np
@@ -25,13 +27,23 @@ logger = logging.getLogger("tarantella")
 
 _MAPS = ("_MapDataset", "_ParallelMapDataset")
 _BATCHES = ("_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset")
-# Op types that draw from per-process random state, or change variables: a map holding
-# one must see every sample on every rank to draw the same numbers as a serial run.
-_STATEFUL_OP_PREFIXES = ("Random", "StatefulUniform", "StatefulStandardNormal",
-                         "StatefulTruncatedNormal", "StatefulRandom")
-_STATEFUL_OPS = {"Multinomial", "TruncatedNormal", "ParameterizedTruncatedNormal", "RngSkip",
-                 "RngReadAndSkip", "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
-                 "PyFunc", "PyFuncStateless", "EagerPyFunc"}
+_INTERLEAVES = ("_InterleaveDataset", "_ParallelInterleaveDataset")
+# Sources that read a file's bytes for every sample they yield.
+_FILE_READERS = ("TFRecordDatasetV2", "TextLineDatasetV2", "_FixedLengthRecordDatasetV2")
+# Op types that draw from per-process random state or change variables (Keras' random
+# layers keep their seed in a variable): split across ranks, such a map draws per rank.
+_RANDOM_OP_PREFIXES = ("Random", "StatefulUniform", "StatefulStandardNormal",
+                       "StatefulTruncatedNormal", "StatefulRandom")
+_RANDOM_OPS = {"Multinomial", "TruncatedNormal", "ParameterizedTruncatedNormal", "RngSkip",
+               "RngReadAndSkip", "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"}
+_said = set()
+
+
+def _info_once(message, *args):
+    text = message % args
+    if text not in _said:
+        _said.add(text)
+        logger.info(text)
 
 
 def micro_batch_size(global_batch_size, rank, size):
@@ -47,7 +59,8 @@ def distribute(dataset, rank, size):
             "Build one with tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch_size).")
     _check_batched(dataset)
     chain = _rebuildable_chain(dataset)
-    _check_seeds_outside(chain[0]._input_dataset if chain else dataset)
+    base = chain[0]._input_dataset if chain else dataset
+    _check_seeds_outside(base)
     batch_index = _global_batch_index(chain)
     global_batch = _static_batch_size(chain, batch_index)
     if global_batch is not None and global_batch < size:
@@ -56,14 +69,23 @@ def distribute(dataset, rank, size):
             "get no samples and idle. Use a global batch of at least %d.",
             global_batch, size, global_batch, size - 1, size)
     if size == 1:  # only the shuffle seeds change, so one rank sees what N ranks see together
-        return _rebuild(dataset, chain, [], rank, size)
-    split = _splittable_maps(chain, batch_index)
-    distributed = _rebuild(dataset, chain, split, rank, size)
+        return _with_seeds(chain, len(chain), dataset)
+    if _batches_own_rows(chain, batch_index):
+        distributed = _own_micro_batches(chain, batch_index, base, rank, size)
+        if int(dataset.cardinality()) >= 0:  # one micro-batch per global batch; tells Keras the steps
+            distributed = distributed.apply(tf.data.experimental.assert_cardinality(dataset.cardinality()))
+    else:
+        _info_once("tarantella: each rank builds the whole global batch and keeps its rows, because the "
+                   "dataset's last batch %s. Use batch() with a constant size for per-rank batches.",
+                   "is missing" if batch_index is None else "has no constant size or pads its rows")
+        distributed = _with_seeds(chain, len(chain), dataset).map(
+            _rows_of_rank(dataset.element_spec, rank, size))
     if dataset.options().deterministic is False:
         options = tf.data.Options()
         options.deterministic = True
         distributed = distributed.with_options(options)
-    return distributed.map(_rows_of_rank(dataset.element_spec, rank, size))
+    distributed._tarantella_global_batch_size = global_batch  # global_batch_size() answers for the rank's dataset
+    return distributed
 
 
 def _check_batched(dataset):
@@ -95,7 +117,10 @@ def _global_batch_index(chain):
 
 
 def global_batch_size(dataset):
-    """The batch size of the pipeline's last `batch` when it is a constant, else None."""
+    """The batch size of the pipeline's last `batch` when it is a constant, else None (for a rank's
+    distributed dataset: the global batch it was split from)."""
+    if hasattr(dataset, "_tarantella_global_batch_size"):
+        return dataset._tarantella_global_batch_size
     chain = _rebuildable_chain(dataset)
     return _static_batch_size(chain, _global_batch_index(chain))
 
@@ -108,30 +133,195 @@ def _static_batch_size(chain, batch_index):
     return None if value is None else int(value)
 
 
-def _splittable_maps(chain, batch_index):
-    """Positions of the maps right below the global batch that may run on owned samples only."""
-    if _static_batch_size(chain, batch_index) is None or \
-            type(chain[batch_index]).__name__ == "_PaddedBatchDataset":
-        return []
-    feeding_batch = chain[batch_index]._input_dataset.element_spec
-    if not all(isinstance(spec, tf.TensorSpec) and spec.shape.is_fully_defined()
-               for spec in tf.nest.flatten(feeding_batch)):
-        return []  # a placeholder for a skipped sample needs a known shape
-    split = []
-    index = batch_index - 1
-    while index >= 0 and type(chain[index]).__name__ in _MAPS and _is_pure(chain[index]._map_func):
-        split.insert(0, index)
-        index -= 1
-    return split
+def _batches_own_rows(chain, batch_index):
+    """Whether each rank can batch only its own samples: a plain batch of constant size and dense rows."""
+    if batch_index is None or type(chain[batch_index]).__name__ == "_PaddedBatchDataset":
+        return False
+    node = chain[batch_index]
+    return _static_batch_size(chain, batch_index) is not None and \
+        tf.get_static_value(node._drop_remainder) is not None and \
+        all(isinstance(spec, tf.TensorSpec) and spec.shape.rank is not None
+            for spec in tf.nest.flatten(node.element_spec))
 
 
-def _is_pure(function_wrapper):
+def _own_micro_batches(chain, batch_index, base, rank, size):
+    """The pipeline rebuilt so that the rank maps and batches only its own samples."""
+    first_split = batch_index
+    while first_split > 0 and type(chain[first_split - 1]).__name__ in _MAPS + ("_PrefetchDataset",):
+        first_split -= 1
+    maps = [node for node in chain[first_split:batch_index] if type(node).__name__ in _MAPS]
+    if any(_draws_random_numbers(node._map_func) for node in maps):
+        _info_once("tarantella: a map before batch() draws random numbers (or changes a variable); each "
+                   "rank runs it only for its own samples, so draws come from per-rank streams and differ "
+                   "from a serial run's. For draws that equal serial training, use stateless random ops "
+                   "seeded per sample (see 'Random augmentation' in docs/guide.md).")
+    per_sample = [_reuse(node._map_func) for node in maps]
+    parallel = [_static(node._num_parallel_calls) for node in maps if hasattr(node, "_num_parallel_calls")]
+    parallel = tf.data.AUTOTUNE if tf.data.AUTOTUNE in parallel else max(parallel, default=None)
+    record_index = _record_index(base) if all(
+        type(node).__name__ in _POSITION_ONLY for node in chain[:first_split]) else None
+    if record_index is not None:  # each rank reads only its own records' bytes, in a map of its own
+        samples = _with_seeds(chain, first_split, record_index, rebuild_all=True)
+        per_sample.insert(0, _read_record)
+        parallel = parallel or tf.data.AUTOTUNE
+    else:
+        _explain_work_on_every_rank(chain, first_split, base)
+        samples = _with_seeds(chain, first_split, base)
+    micro_batches = _micro_batches_of_rank(samples, per_sample, parallel, chain[batch_index], rank, size)
+    for node in chain[batch_index + 1:]:
+        micro_batches = _REAPPLY[type(node).__name__](node, micro_batches)
+    return micro_batches
+
+
+# Transformations whose output depends only on the positions of their input elements.
+_POSITION_ONLY = {"_ShuffleDataset", "_RepeatDataset", "_TakeDataset", "_SkipDataset", "_PrefetchDataset"}
+
+
+def _record_index(dataset):
+    """For a TFRecordDataset over a fixed list of uncompressed files, read in order: a dataset of
+    (file, offset, length), one per record, in the same order. Else None.
+
+    Only the 12-byte record headers are read, so a rank can then read just its own records."""
+    if type(dataset).__name__ != "TFRecordDatasetV2" or dataset._num_parallel_reads is not None or \
+            (dataset._compression_type is not None and tf.get_static_value(dataset._compression_type) != b"") or \
+            type(dataset._filenames).__name__ != "_TensorSliceDataset":
+        return None
+    files, offsets, lengths = [], [], []
+    for path in dataset._filenames.as_numpy_iterator():
+        path = os.fsdecode(path)
+        with open(path, "rb") as records:
+            end, offset = os.fstat(records.fileno()).st_size, 0
+            while offset < end:
+                records.seek(offset)
+                length, = struct.unpack("<Q", records.read(8))
+                files.append(path)
+                offsets.append(offset + 12)  # after the length and its checksum
+                lengths.append(length)
+                offset += 12 + length + 4  # the record and its checksum
+    return tf.data.Dataset.from_tensor_slices((files, np.array(offsets, np.int64), np.array(lengths, np.int64)))
+
+
+def _read_bytes(path, offset, length):
+    # opened per record: a data set of thousands of files would exhaust file descriptors if kept open
+    with open(os.fsdecode(path), "rb") as records:
+        return os.pread(records.fileno(), int(length), int(offset))
+
+
+@tf.autograph.experimental.do_not_convert
+def _read_record(path, offset, length):
+    return tf.ensure_shape(tf.numpy_function(_read_bytes, [path, offset, length], tf.string, stateful=False), [])
+
+
+def _micro_batches_of_rank(samples, per_sample, parallel, batch_node, rank, size):
+    """Per global batch, the rank's samples mapped (`per_sample` functions) and batched: exactly one
+    micro-batch each.
+
+    The rank keeps, besides its own samples, one marker row per global batch (its first row;
+    its last with drop_remainder) that it never maps: a global batch in which the rank owns
+    nothing still yields an empty micro-batch, and an incomplete one is dropped as serially."""
+    batch_size = int(tf.get_static_value(batch_node._batch_size))
+    drop_remainder = bool(tf.get_static_value(batch_node._drop_remainder))
+    rows = micro_batch_size(batch_size, rank, size)
+    marker = batch_size - 1 if drop_remainder else 0
+    kept_per_batch = rows + (0 if marker % size == rank else 1)
+
+    def owned(position, _=None):
+        return tf.equal(position % batch_size % size, rank)
+
+    def kept(position, _):
+        return tf.logical_or(owned(position), tf.equal(position % batch_size, marker))
+
+    def run(element):
+        for function in per_sample:
+            element = function(*element) if isinstance(element, tuple) else function(element)
+        return element
+
+    kept_samples = samples.enumerate().filter(kept)
+    sample_spec = batch_node._input_dataset.element_spec
+    if per_sample and not all(spec.shape.is_fully_defined() for spec in tf.nest.flatten(sample_spec)):
+        return _micro_batches_in_windows(kept_samples, run, parallel, batch_node, rows, kept_per_batch,
+                                         owned, marker)
+
+    @tf.autograph.experimental.do_not_convert
+    def mapped_if_owned(position, sample):
+        # the marker row becomes zeros of the right shape; the rank drops it after batching
+        placeholder = lambda: tf.nest.map_structure(lambda spec: tf.zeros(spec.shape, spec.dtype), sample_spec)
+        return position, tf.cond(owned(position), lambda: run(sample), placeholder) if per_sample else sample
+
+    @tf.autograph.experimental.do_not_convert
+    def own_rows(positions, batch):
+        mine = owned(positions)
+        return tf.nest.map_structure(lambda rows_: tf.boolean_mask(rows_, mine), batch)
+
+    batches = kept_samples.map(mapped_if_owned, num_parallel_calls=parallel,
+                               deterministic=True if parallel else None).batch(kept_per_batch)
+    if drop_remainder:  # a complete global batch has its last row, the marker
+        batches = batches.filter(lambda positions, _: tf.reduce_any(tf.equal(positions % batch_size, marker)))
+    return batches.map(own_rows)
+
+
+def _micro_batches_in_windows(kept_samples, run, parallel, batch_node, rows, kept_per_batch, owned, marker):
+    """As _micro_batches_of_rank, for samples of shapes not known in advance (no placeholder row can
+    stand for the marker): each global batch's rows are mapped and batched in a window of their own."""
+    batch_size = int(tf.get_static_value(batch_node._batch_size))
+    no_rows = tf.nest.map_structure(_no_rows, batch_node.element_spec)
+
+    def micro_batch(_, window):
+        batch = window.filter(owned).map(lambda _, sample: run(sample), num_parallel_calls=parallel,
+                                         deterministic=True if parallel else None)
+        batch = batch.batch(max(rows, 1)).concatenate(tf.data.Dataset.from_tensors(no_rows)).take(1)
+        if tf.get_static_value(batch_node._drop_remainder):  # a complete global batch has its last row
+            complete = window.reduce(False, lambda seen, element: tf.logical_or(
+                seen, tf.equal(element[0] % batch_size, marker)))
+            batch = batch.take(tf.cast(complete, tf.int64))
+        return batch
+
+    return kept_samples.group_by_window(lambda position, _: position // batch_size, micro_batch,
+                                        window_size=kept_per_batch)
+
+
+def _no_rows(spec):
+    """An empty micro-batch; a dimension the spec leaves open gets size 0."""
+    return tf.zeros([0] + [0 if d is None else d for d in spec.shape.as_list()[1:]], spec.dtype)
+
+
+def _explain_work_on_every_rank(chain, first_split, base):
+    """One INFO line for per-sample work that every rank does for every sample."""
+    unsplit_maps = [i for i in range(first_split) if type(chain[i]).__name__ in _MAPS]
+    if unsplit_maps:
+        blocker = chain[unsplit_maps[-1] + 1]
+        _info_once("tarantella: a map runs on every rank for every sample, because the %s after it, before "
+                   "batch(), needs every sample to keep the serial order. Put it before the map to split "
+                   "the map across ranks.", _name(blocker))
+    readers = [node for node in _nodes_below(base) if type(node).__name__ in _FILE_READERS + _INTERLEAVES]
+    readers += [node for node in chain[:first_split] if type(node).__name__ in _INTERLEAVES]
+    if readers:
+        _info_once("tarantella: every rank reads every record that the %s yields, to keep the serial sample "
+                   "order. To read about 1/p of the bytes per rank, read files in a map before batch(), or "
+                   "use one TFRecordDataset over the list of files (see 'File sources' in docs/guide.md).",
+                   _name(readers[0]))
+
+
+def _name(node):
+    return type(node).__name__.strip("_").replace("Dataset", "").replace("V2", "")
+
+
+def _nodes_below(dataset):
+    pending, seen = [dataset], set()
+    while pending:
+        node = pending.pop()
+        if id(node) not in seen:
+            seen.add(id(node))
+            yield node
+            pending.extend(node._inputs())
+
+
+def _draws_random_numbers(function_wrapper):
     graph_def = function_wrapper.function.graph.as_graph_def()
     nodes = list(graph_def.node)
     for library_function in graph_def.library.function:
         nodes.extend(library_function.node_def)
-    return not any(node.op in _STATEFUL_OPS or node.op.startswith(_STATEFUL_OP_PREFIXES)
-                   for node in nodes)
+    return any(node.op in _RANDOM_OPS or node.op.startswith(_RANDOM_OP_PREFIXES) for node in nodes)
 
 
 def _shuffle_seeds(node):
@@ -143,71 +333,47 @@ def _is_unseeded_shuffle(node):
     return type(node).__name__ == "_ShuffleDataset" and _shuffle_seeds(node) == (0, 0)
 
 
+def _may_reorder(node):
+    """Whether a transformation may deliver elements out of order (deterministic=False)."""
+    if type(node).__name__ == "_ParallelInterleaveDataset":
+        # TensorFlow keeps this flag only in the op: read it from the serialized pipeline.
+        graph = tf.compat.v1.GraphDef.FromString(node._as_serialized_graph(
+            external_state_policy=tf.data.experimental.ExternalStatePolicy.IGNORE).numpy())
+        flags = [n.attr["deterministic"].s for n in graph.node if n.op.startswith("ParallelInterleaveDataset")]
+        return b"false" in flags
+    return getattr(node, "_deterministic", None) == "false"
+
+
 def _check_seeds_outside(untouched):
     """Shuffles we cannot rebuild must already be seeded, or ranks would disagree on the order."""
-    pending, seen = [untouched], set()
-    while pending:
-        node = pending.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
+    for node in _nodes_below(untouched):
         if _is_unseeded_shuffle(node):
             raise ValueError(
                 "The dataset shuffles without a seed below a transformation tarantella cannot rebuild "
                 f"({type(untouched).__name__.strip('_')}). Every rank must shuffle alike: pass a seed, "
                 "e.g. dataset.shuffle(buffer_size, seed=42).")
-        if getattr(node, "_deterministic", None) == "false":
+        if _may_reorder(node):
             raise ValueError(
-                f"A {type(node).__name__.strip('_')} transformation runs with deterministic=False, so "
+                f"A {_name(node)} transformation runs with deterministic=False, so "
                 "ranks could see samples in different orders. Remove deterministic=False.")
-        pending.extend(node._inputs())
 
 
-def _rebuild(dataset, chain, split, rank, size):
-    """Re-applies the chain from the lowest transformation that must change."""
-    must_change = [i for i, node in enumerate(chain)
-                   if _is_unseeded_shuffle(node) or getattr(node, "_deterministic", None) == "false"]
-    first = min(must_change + split[:1], default=None)
-    if first is None:
-        return dataset
-    rebuilt = chain[first]._input_dataset
-    index = first
-    while index < len(chain):
-        if split and index == split[0]:
-            batch_size = _static_batch_size(chain, split[-1] + 1)
-            rebuilt = _map_owned_samples(rebuilt, [chain[i] for i in split], batch_size, rank, size)
-            index = split[-1] + 1
-            continue
-        rebuilt = _REAPPLY[type(chain[index]).__name__](chain[index], rebuilt)
-        index += 1
+def _must_rebuild(node):
+    # A parallel interleave is always rebuilt deterministic: cheaper than reading its flag.
+    return _is_unseeded_shuffle(node) or type(node).__name__ == "_ParallelInterleaveDataset" or \
+        getattr(node, "_deterministic", None) == "false"
+
+
+def _with_seeds(chain, stop, base, rebuild_all=False):
+    """The dataset chain[stop - 1] (or `base`), re-applied from the lowest transformation that must
+    change: a shuffle without a seed, or one that may deliver out of order (from `base`, if all)."""
+    must_change = [0] if rebuild_all else [index for index in range(stop) if _must_rebuild(chain[index])]
+    if not must_change or stop == 0:
+        return chain[stop - 1] if stop else base
+    rebuilt = base if rebuild_all else chain[must_change[0]]._input_dataset
+    for node in chain[must_change[0]:stop]:
+        rebuilt = _REAPPLY[type(node).__name__](node, rebuilt)
     return rebuilt
-
-
-def _map_owned_samples(dataset, maps, batch_size, rank, size):
-    functions = [_reuse(node._map_func) for node in maps]
-    output_spec = maps[-1].element_spec
-    placeholder = lambda: tf.nest.map_structure(_zeros_like_spec, output_spec)
-
-    def run_maps(element):
-        for function in functions:
-            element = function(*element) if isinstance(element, tuple) else function(element)
-        return element
-
-    @tf.autograph.experimental.do_not_convert
-    def owned_or_placeholder(position, element):
-        owned = tf.equal(position % batch_size % size, rank)
-        return tf.cond(owned, lambda: run_maps(element), placeholder)
-
-    parallel = [node._num_parallel_calls for node in maps if hasattr(node, "_num_parallel_calls")]
-    return dataset.enumerate().map(owned_or_placeholder,
-                                   num_parallel_calls=parallel[-1] if parallel else None,
-                                   deterministic=True if parallel else None)
-
-
-def _zeros_like_spec(spec):
-    if spec.dtype == tf.string:
-        return tf.fill(spec.shape, "")
-    return tf.zeros(spec.shape, spec.dtype)
 
 
 def _reuse(function_wrapper):
@@ -272,6 +438,13 @@ def _static(tensor):
     return tensor if value is None else value.item()
 
 
+def _reapply_interleave(node, dataset):
+    parallel = getattr(node, "_num_parallel_calls", None)
+    return dataset.interleave(_reuse(node._map_func), cycle_length=_static(node._cycle_length),
+                              block_length=_static(node._block_length), num_parallel_calls=parallel,
+                              deterministic=True if parallel is not None else None)
+
+
 _REAPPLY = {
     "_MapDataset": _reapply_map,
     "_ParallelMapDataset": _reapply_map,
@@ -286,13 +459,15 @@ _REAPPLY = {
     "CacheDataset": lambda node, ds: ds.cache(node._filename),
     "_PrefetchDataset": lambda node, ds: ds.prefetch(_static(node._buffer_size)),
     "_OptionsDataset": lambda node, ds: ds.with_options(node._options),
+    "_InterleaveDataset": _reapply_interleave,
+    "_ParallelInterleaveDataset": _reapply_interleave,
 }
 
 
 # -- user inputs as datasets of global batches ---------------------------------------------
 
 # Transformations that keep elements batched, or unbatched, as their input was.
-_KEEPS_BATCHING = set(_REAPPLY) - set(_BATCHES) | {"_ShardDataset", "_IgnoreErrorsDataset",
+_KEEPS_BATCHING = set(_REAPPLY) - set(_BATCHES) - set(_INTERLEAVES) | {"_ShardDataset", "_IgnoreErrorsDataset",
                                                    "_ConcatenateDataset"}
 # Sources of single samples (`from_tensors` is not one: its one element may be a whole batch).
 _SAMPLE_SOURCES = {"_TensorSliceDataset", "_RangeDataset", "TFRecordDatasetV2", "TextLineDatasetV2",

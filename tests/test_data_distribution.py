@@ -3,6 +3,7 @@
 Runs in one process: every rank's dataset is built and iterated here.
 """
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -10,6 +11,7 @@ import tensorflow as tf
 from tarantella import data
 
 N = 103
+FILES = None  # a folder with one PNG per sample and TFRecord files, made once per module
 
 
 def features():
@@ -21,7 +23,38 @@ def tensor_slices():
     return tf.data.Dataset.from_tensor_slices((x, y))
 
 
-PIPELINES = {
+def png_files():
+    return tf.data.Dataset.from_tensor_slices([str(FILES / f"{i}.png") for i in range(N)])
+
+
+def read_png(path):
+    image = tf.io.decode_png(tf.io.read_file(path), channels=1)
+    label = tf.strings.to_number(tf.strings.split(tf.strings.split(path, "/")[-1], ".")[0], tf.int64)
+    return tf.cast(tf.reshape(image, [2, 2, 1]), tf.float32), label % 5
+
+
+def record_files():
+    return [str(FILES / f"part{i}.tfrecord") for i in range(3)]
+
+
+def parse_record(record):
+    value = tf.strings.to_number(record, tf.float32)
+    return tf.fill([2], value), tf.cast(value, tf.int64) % 5
+
+
+def with_sample_seeds(dataset, seed):
+    """The guide's recipe: a per-sample seed pair, new each epoch, the same on every rank."""
+    seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).batch(2, drop_remainder=True)
+    return tf.data.Dataset.zip(dataset, seeds)
+
+
+def stateless_augment(sample, seed):
+    x, y = sample
+    image = tf.image.stateless_random_flip_left_right(tf.fill([2, 2, 1], x), seed)
+    return image + tf.random.stateless_uniform([2, 2, 1], seed), y
+
+
+PIPELINES_1_TO_4_RANKS = {
     "batch": lambda: tensor_slices().batch(16),
     "map-batch": lambda: tensor_slices().map(lambda x, y: (x * 2, y)).batch(16),
     "parallel-map": lambda: tensor_slices().map(lambda x, y: (tf.fill([3], x), y), num_parallel_calls=4).batch(10),
@@ -43,6 +76,28 @@ PIPELINES = {
     "batch-smaller-than-ranks": lambda: tensor_slices().batch(2),
     "ragged": lambda: tf.data.Dataset.range(N).map(lambda i: tf.range(i % 5)).ragged_batch(8),
 }
+# Python maps, random maps, files and filters: checked on 3 ranks only (uneven splits), to keep the
+# test fast; those that stress empty micro-batches also on 4.
+PIPELINES_3_RANKS = {
+    "python-map": lambda: tensor_slices().map(
+        lambda x, y: (tf.ensure_shape(tf.numpy_function(lambda v: v * 3, [x], tf.float32), []), y)).batch(14),
+    "python-map-unknown-shape": lambda: tensor_slices().map(
+        lambda x, y: (tf.numpy_function(lambda v: v * 3, [x], tf.float32), y)).batch(14),
+    "map-then-filter": lambda: tensor_slices().map(lambda x, y: (x * 2, y)).filter(
+        lambda x, label: label > 1).batch(10),
+    "filter-map-drop-remainder": lambda: tensor_slices().filter(lambda x, y: y != 0).map(
+        lambda x, y: (x - 1, y)).batch(7, drop_remainder=True),
+    "tiny-drop-remainder": lambda: tensor_slices().map(lambda x, y: (x, y)).batch(3, drop_remainder=True),
+    "prefetch-before-batch": lambda: tensor_slices().map(lambda x, y: (x + 3, y)).prefetch(4).batch(16),
+    "stateless-random-map": lambda: with_sample_seeds(tensor_slices(), 3).shuffle(N, seed=1).map(
+        stateless_augment, num_parallel_calls=2).batch(12),
+    "png-files": lambda: png_files().shuffle(N).map(read_png, num_parallel_calls=3).batch(10),
+    "tfrecord": lambda: tf.data.TFRecordDataset(record_files()).map(parse_record).batch(16),
+    "shuffled-records": lambda: tf.data.TFRecordDataset(record_files()).shuffle(N).map(parse_record).batch(16),
+    "interleaved-records": lambda: tf.data.Dataset.from_tensor_slices(record_files()).interleave(
+        tf.data.TFRecordDataset, cycle_length=2, num_parallel_calls=2, deterministic=False).map(
+        parse_record).batch(16),
+}
 
 
 def batches(dataset):
@@ -51,13 +106,29 @@ def batches(dataset):
     return [tf.nest.map_structure(as_numpy, element) for element in dataset]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def files(tmp_path_factory):
+    global FILES
+    FILES = tmp_path_factory.mktemp("samples")
+    for i in range(N):
+        (FILES / f"{i}.png").write_bytes(tf.io.encode_png(tf.fill([2, 2, 1], tf.constant(i, tf.uint8))).numpy())
+    for part, indices in enumerate(np.array_split(np.arange(N), 3)):
+        with tf.io.TFRecordWriter(str(FILES / f"part{part}.tfrecord")) as writer:
+            for i in indices:
+                writer.write(str(i).encode())
+
+
 @pytest.fixture(autouse=True)
 def no_global_seed():
     tf.random.set_seed(None)  # so that "unseeded" really means unseeded
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
-@pytest.mark.parametrize("pipeline", sorted(PIPELINES))
+PIPELINES = {**PIPELINES_1_TO_4_RANKS, **PIPELINES_3_RANKS}
+CASES = [(name, ranks) for name in sorted(PIPELINES_1_TO_4_RANKS) for ranks in (1, 2, 3, 4)] + \
+    [(name, 3) for name in sorted(PIPELINES_3_RANKS)] + [("tiny-drop-remainder", 4), ("tfrecord", 4)]
+
+
+@pytest.mark.parametrize("pipeline,ranks", CASES)
 def test_micro_batches_make_up_the_global_batch(pipeline, ranks):
     reference = batches(data.distribute(PIPELINES[pipeline](), 0, 1))
     shards = [batches(data.distribute(PIPELINES[pipeline](), rank, ranks)) for rank in range(ranks)]
@@ -108,10 +179,150 @@ def test_a_map_before_batch_runs_only_for_the_ranks_own_samples(tmp_path):
             data.micro_batch_size(len(b), rank, ranks) for b in np.array_split(np.arange(N), range(16, N, 16)))
 
 
-def test_maps_that_draw_random_numbers_run_on_every_sample():
-    dataset = tensor_slices().map(lambda x, y: (x + tf.random.uniform([], seed=1), y)).batch(16)
-    chain = data._rebuildable_chain(dataset)
-    assert data._splittable_maps(chain, data._global_batch_index(chain)) == []
+def counted(function):
+    """`function` as a map that also counts its calls in CALLS, in Python, where TF cannot elide it."""
+    def count(x):
+        CALLS.append(1)
+        return x
+
+    def map_with_count(x, y):
+        x = tf.ensure_shape(tf.numpy_function(count, [x], tf.float32), [])
+        return function(x, y)
+    return map_with_count
+
+
+CALLS = []
+FLIP = keras.layers.RandomFlip(seed=3)
+COUNTED_MAPS = {
+    "pure": lambda x, y: (x * 10, y),
+    "random": lambda x, y: (x + tf.random.uniform([]), y),
+    "keras-random-layer": lambda x, y: (FLIP(tf.fill([4, 4, 1], x)), y),
+    "stateless-random": lambda x, y: (tf.random.stateless_uniform([], [1, tf.cast(x, tf.int64)]), y),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(COUNTED_MAPS))
+def test_each_rank_maps_and_batches_only_its_own_samples(kind):
+    ranks, batch = 4, 14
+    owned = [sum(data.micro_batch_size(len(b), rank, ranks) for b in np.array_split(np.arange(N), range(batch, N, batch)))
+             for rank in range(ranks)]
+    for rank in range(ranks):
+        CALLS.clear()
+        pipeline = tensor_slices().shuffle(N).map(counted(COUNTED_MAPS[kind]), num_parallel_calls=2).batch(batch)
+        distributed = data.distribute(pipeline, rank, ranks)
+        shard = batches(distributed)
+        assert len(CALLS) == owned[rank] == sum(len(b[1]) for b in shard), f"rank {rank}"
+        # the rank batches its own rows and one marker row, never the global batch
+        batch_sizes = [int(node._batch_size) for node in data._nodes_below(distributed)
+                       if type(node).__name__ in data._BATCHES]
+        assert batch_sizes == [data.micro_batch_size(batch, rank, ranks) + (rank != 0)]
+
+
+def test_files_are_read_only_by_the_rank_that_trains_on_them():
+    ranks, read = 2, []
+
+    def read_and_note(path):
+        read.append(tf.compat.as_str(path))
+        return path
+
+    def pipeline():
+        paths = png_files().map(lambda p: tf.ensure_shape(tf.numpy_function(read_and_note, [p], tf.string), []))
+        return paths.map(read_png).batch(10)
+
+    per_rank = []
+    for rank in range(ranks):
+        read.clear()
+        shard = batches(data.distribute(pipeline(), rank, ranks))
+        per_rank.append(sorted(read))
+        assert len(read) == sum(len(labels) for _, labels in shard)
+    assert sorted(per_rank[0] + per_rank[1]) == sorted(str(FILES / f"{i}.png") for i in range(N))
+    assert not set(per_rank[0]) & set(per_rank[1])
+
+
+def test_a_rank_reads_only_its_own_records_of_a_tfrecord_dataset(monkeypatch):
+    ranks, read = 2, []
+    original = data._read_bytes
+
+    def read_and_note(path, offset, length):
+        read.append((tf.compat.as_str(path), int(offset)))
+        return original(path, offset, length)
+
+    monkeypatch.setattr(data, "_read_bytes", read_and_note)
+    per_rank = []
+    for rank in range(ranks):
+        read.clear()
+        shard = batches(data.distribute(PIPELINES["shuffled-records"](), rank, ranks))
+        assert len(read) == sum(len(labels) for _, labels in shard)
+        per_rank.append(set(read))
+    assert len(per_rank[0] | per_rank[1]) == N and not per_rank[0] & per_rank[1]
+
+
+def test_info_lines_name_what_every_rank_does_in_full(caplog):
+    data._said.clear()
+    with caplog.at_level("INFO", logger="tarantella"):
+        data.distribute(PIPELINES["map-then-filter"](), 0, 2)
+        data.distribute(tensor_slices().map(COUNTED_MAPS["random"]).batch(8), 0, 2)
+        data.distribute(PIPELINES["interleaved-records"](), 0, 2)
+        data.distribute(PIPELINES["stateless-random-map"](), 0, 2)  # splits exactly: says nothing
+        data.distribute(PIPELINES["shuffled-records"](), 0, 2)  # reads only its own records: says nothing
+    said = lambda: [record.getMessage() for record in caplog.records if record.name == "tarantella"]
+    lines = said()
+    assert len(lines) == 3, lines
+    assert "map runs on every rank for every sample, because the Filter after it" in lines[0]
+    assert "draws random numbers" in lines[1] and "per-rank streams" in lines[1]
+    assert "reads every record that the ParallelInterleave yields" in lines[2]
+    data.distribute(PIPELINES["map-then-filter"](), 1, 2)
+    assert said() == lines, "each line is said once per process"
+
+
+def test_a_parallel_interleave_with_deterministic_false_is_rebuilt_deterministic():
+    distributed = data.distribute(PIPELINES["interleaved-records"](), 1, 2)
+    interleaves = [node for node in data._nodes_below(distributed) if type(node).__name__ in data._INTERLEAVES]
+    assert interleaves and not any(data._may_reorder(node) for node in interleaves)
+
+
+def test_a_parallel_interleave_with_deterministic_false_that_cannot_be_rebuilt_is_refused():
+    interleaved = PIPELINES["interleaved-records"]().unbatch()
+    zipped = tf.data.Dataset.zip((interleaved, tensor_slices())).batch(8)
+    with pytest.raises(ValueError, match=r"ParallelInterleave.*deterministic=False"):
+        data.distribute(zipped, 0, 2)
+
+
+def test_tensorflow_still_has_the_private_attributes_tarantella_reads():
+    """data.py reads these TF internals to rebuild pipelines; this fails first if TF renames one."""
+    source = tensor_slices()
+    expected = {
+        source.map(lambda x, y: (x, y)): ["_input_dataset", "_map_func"],
+        source.map(lambda x, y: (x, y), num_parallel_calls=2, deterministic=False):
+            ["_input_dataset", "_map_func", "_num_parallel_calls", "_deterministic"],
+        source.filter(lambda x, y: True): ["_input_dataset", "_predicate"],
+        source.shuffle(4, seed=1): ["_input_dataset", "_seed", "_seed2", "_buffer_size", "_reshuffle_each_iteration"],
+        source.batch(4): ["_input_dataset", "_batch_size", "_drop_remainder"],
+        source.batch(4, num_parallel_calls=2): ["_input_dataset", "_batch_size", "_drop_remainder",
+                                                "_num_parallel_calls", "_deterministic"],
+        source.padded_batch(4): ["_input_dataset", "_batch_size", "_padded_shapes", "_padding_values",
+                                 "_drop_remainder"],
+        source.repeat(2): ["_input_dataset", "_count"], source.take(2): ["_input_dataset", "_count"],
+        source.skip(2): ["_input_dataset", "_count"], source.cache(): ["_input_dataset", "_filename"],
+        source.prefetch(2): ["_input_dataset", "_buffer_size"],
+        PIPELINES["interleaved-records"]()._input_dataset._input_dataset:
+            ["_input_dataset", "_map_func", "_cycle_length", "_block_length", "_num_parallel_calls"],
+    }
+    for dataset, attributes in expected.items():
+        assert type(dataset).__name__ in data._REAPPLY, type(dataset).__name__
+        for attribute in attributes:
+            assert hasattr(dataset, attribute), f"{type(dataset).__name__}.{attribute}"
+    records = tf.data.TFRecordDataset(record_files())
+    assert type(records).__name__ == "TFRecordDatasetV2" and type(records._filenames).__name__ == "_TensorSliceDataset"
+    assert records._num_parallel_reads is None and records._compression_type is None
+    assert data._record_index(records) is not None
+    map_func = source.map(lambda x, y: (x, y))._map_func
+    assert hasattr(map_func, "_input_structure") and hasattr(map_func, "output_structure")
+    assert data._may_reorder(PIPELINES["interleaved-records"]()._input_dataset._input_dataset)
+    assert not data._may_reorder(tf.data.Dataset.range(3).interleave(
+        tf.data.Dataset.from_tensors, cycle_length=2, num_parallel_calls=2))
+    assert data._draws_random_numbers(source.map(COUNTED_MAPS["keras-random-layer"])._map_func)
+    assert not data._draws_random_numbers(source.map(COUNTED_MAPS["stateless-random"])._map_func)
 
 
 def test_unbatched_dataset_is_refused_with_the_fix():
@@ -129,3 +340,9 @@ def test_unseeded_shuffle_that_cannot_be_rebuilt_is_refused():
     zipped = tf.data.Dataset.zip((shuffled, tensor_slices())).batch(8)
     with pytest.raises(ValueError, match=r"shuffle\(buffer_size, seed=42\)"):
         data.distribute(zipped, 0, 2)
+
+
+def test_a_ranks_dataset_tells_the_global_batch_size_it_was_split_from():
+    # model.py reads it from the rank's dataset (the BatchNormalization warning)
+    assert data.global_batch_size(data.distribute(tensor_slices().map(lambda x, y: (x, y)).batch(16), 1, 2)) == 16
+    assert data.global_batch_size(data.distribute(PIPELINES["padded-batch"](), 1, 3)) == 8
