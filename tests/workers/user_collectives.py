@@ -132,6 +132,14 @@ def check_structures_and_classes():
     gathered = allgatherer.allgather(np.full((RANK + 1, 2), RANK, np.float32))
     np.testing.assert_array_equal(gathered[:, 0], np.repeat(np.arange(SIZE), np.arange(1, SIZE + 1)))
 
+    # A Keras metric's summed state gives the serial result (docs/guide.md, custom training loops).
+    mean = keras.metrics.Mean()
+    mean.update_state(np.arange(RANK + 1, dtype=np.float32))
+    for variable, total in zip(mean.variables, tnt.allreduce(mean.variables)):
+        variable.assign(total)
+    everything = np.concatenate([np.arange(rank + 1) for rank in range(SIZE)])
+    np.testing.assert_allclose(float(mean.result()), everything.mean(), rtol=1e-6)
+
     weights = [tf.Variable(np.full((3,), RANK, np.float32)), keras.Variable(np.full((), RANK + 10, np.int64))]
     tnt.broadcast_variables(weights, root=SIZE - 1)
     np.testing.assert_array_equal(weights[0].numpy(), np.full(3, SIZE - 1))
