@@ -33,12 +33,9 @@ def allreduce_gradients(grads, num_samples=None, loss_reduction="mean"):
         raise ValueError(f"loss_reduction={loss_reduction!r}: use 'mean' for a loss averaged over the batch "
                          "(Keras' default) or 'sum' for a loss summed over it.")
     comm = communication.init()
+    if comm.size == 1 or all(g is None for g in grads):
+        return list(grads)
     grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
-    if comm.size == 1:
-        return grads
-    present = [g for g in grads if g is not None]
-    if not present:
-        return grads
     samples = None if num_samples is None else tf.cast(tf.reshape(num_samples, []), tf.float64)
     # The allreduce writes into the buffers handed to it, and TensorFlow may fold a gradient
     # (or a static sample count) into a constant whose buffer every later step reuses. A factor

@@ -246,6 +246,23 @@ def train_distributed(variant, reduction, epochs=1):
     return model.get_weights(), losses
 
 
+def check_constant_gradients():
+    """A gradient TensorFlow folds into a constant must come out right at every call, not only the first."""
+    bias = tf.Variable([0.0, 0.0])
+
+    @tf.function
+    def combined(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(x + bias)  # d loss / d bias = 1/2 per entry, whatever x holds
+        grads = tape.gradient(loss, [bias])
+        return (tnt.optimizers.allreduce_gradients(grads)[0],
+                tnt.optimizers.allreduce_gradients(grads, num_samples=tf.shape(x)[0])[0])
+
+    for _ in range(3):
+        for result in combined(tf.ones((4, 2))):
+            np.testing.assert_allclose(result.numpy(), [0.5, 0.5], rtol=1e-6)
+
+
 def check_custom_loops():
     lines = []
     variants = [("eager apply", "mean"), ("function apply_gradients", "mean"),
@@ -270,6 +287,8 @@ if __name__ == "__main__":
     print(f"rank {RANK}: structures, classes and broadcast_variables agree", flush=True)
     check_errors()
     print(f"rank {RANK}: bad input raised alike", flush=True)
+    check_constant_gradients()
+    print(f"rank {RANK}: constant gradients combined alike at every step", flush=True)
     for line in check_custom_loops() if SIZE > 1 else []:  # one rank: examples/custom_loop.py
         print(f"rank {RANK}: custom loop {line}", flush=True)
     print(f"rank {RANK}: done", flush=True)
