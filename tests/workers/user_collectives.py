@@ -17,7 +17,7 @@ import tarantella as tnt  # noqa: E402
 
 RANK, SIZE = tnt.get_rank(), tnt.get_size()
 FLOATS = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
-INTEGERS = [np.int32, np.int64, np.uint8]
+INTEGERS = [np.int64, np.uint8]
 SHAPES = [(), (0,), (5,), (2, 3), (0, 3), (3, 0)]
 KINDS = ["numpy", "tensor", "variable", "keras-variable"]
 
