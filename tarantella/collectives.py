@@ -120,7 +120,7 @@ class TensorAllreducer:
     """Allreduces values shaped like `inputs` (a tensor, array, number, or a list/dict of them)."""
 
     def __init__(self, inputs, reduction_op=ReductionOp.SUM):
-        self._template = _template("TensorAllreducer", inputs)
+        self._template = _checked_template("TensorAllreducer", inputs)
         self._op = _reduction_op(reduction_op)
 
     def allreduce(self, inputs):
@@ -136,7 +136,7 @@ class TensorBroadcaster:
     """
 
     def __init__(self, inputs, root_rank=communication.MASTER_RANK):
-        self._template = _template("TensorBroadcaster", inputs)
+        self._template = _checked_template("TensorBroadcaster", inputs)
         self._root = _check_root(root_rank)
 
     def broadcast(self, inputs=None):
@@ -153,7 +153,7 @@ class TensorAllgatherer:
     """Allgathers, along the first axis, values shaped like `inputs` (the first axis may vary)."""
 
     def __init__(self, inputs):
-        self._template = _template("TensorAllgatherer", inputs)
+        self._template = _checked_template("TensorAllgatherer", inputs)
 
     def allgather(self, inputs):
         _check_like_template("TensorAllgatherer.allgather", self._template, inputs, first_axis_may_vary=True)
@@ -183,8 +183,8 @@ def _collective(name, values, leaves, operation, output_shape, detail, rows_may_
         results = job(*[leaves[i] if isinstance(leaves[i], np.ndarray) else leaves[i].value.numpy()
                         for i in present])
         # NumPy in, NumPy out; tensors and variables in, tensors out.
-        outputs = {i: result if isinstance(leaves[i], np.ndarray) else tf.convert_to_tensor(result, leaves[i].dtype)
-                   for i, result in zip(present, results)}
+        outputs = {i: result if isinstance(leaves[i], np.ndarray) else
+                   tf.convert_to_tensor(result, leaves[i].dtype) for i, result in zip(present, results)}
     else:
         tensors = [tf.convert_to_tensor(leaves[i] if isinstance(leaves[i], np.ndarray) else leaves[i].value)
                    for i in present]
@@ -223,18 +223,18 @@ class _DTypeOf:
 
 def _check_same_layout(name, layouts, rows_may_differ):
     """Raises the same error on every rank (all see the same layouts) if the ranks disagree."""
-    mine = layouts[0]
+    first = layouts[0]
     for rank, theirs in enumerate(layouts[1:], start=1):
-        if theirs[:2] != mine[:2]:
+        if theirs[:2] != first[:2]:
             raise ValueError(
                 f"tnt.{name}: the ranks called different collectives or arguments: rank 0 called "
-                f"{_describe_call(mine)}, rank {rank} called {_describe_call(theirs)}. Every rank must make "
+                f"{_describe_call(first)}, rank {rank} called {_describe_call(theirs)}. Every rank must make "
                 "the same collective calls, in the same order, with the same arguments.")
-        if [i for i, _, _ in theirs[2]] != [i for i, _, _ in mine[2]]:
+        if [i for i, _, _ in theirs[2]] != [i for i, _, _ in first[2]]:
             raise ValueError(
-                f"tnt.{name}: rank {rank} passed {len(theirs[2])} values, rank 0 {len(mine[2])} (or None in "
+                f"tnt.{name}: rank {rank} passed {len(theirs[2])} values, rank 0 {len(first[2])} (or None in "
                 "different places). Every rank must pass the same structure.")
-        for (index, dtype_a, shape_a), (_, dtype_b, shape_b) in zip(mine[2], theirs[2]):
+        for (index, dtype_a, shape_a), (_, dtype_b, shape_b) in zip(first[2], theirs[2]):
             if rows_may_differ:
                 same = dtype_a == dtype_b and shape_a[1:] == shape_b[1:] and len(shape_a) == len(shape_b)
                 rule = "the same dtype and the same shape after the first axis"
@@ -338,7 +338,7 @@ def _check_reducible(dtype, op):
         raise TypeError(f"tnt.allreduce(op={op.value!r}) needs ordered values; {dtype.name} has no order.")
 
 
-def _template(name, inputs):
+def _checked_template(name, inputs):
     leaves = _leaves(name, inputs)
     if not leaves or any(leaf is None for leaf in leaves):
         raise ValueError(f"tnt.{name} needs values to work on (no empty structures or None).")
