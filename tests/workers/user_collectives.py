@@ -247,8 +247,8 @@ def train_distributed(variant, reduction, epochs=1):
     return model.get_weights(), losses
 
 
-def check_constant_gradients():
-    """A gradient TensorFlow folds into a constant must come out right at every call, not only the first."""
+def check_gradient_combination():
+    """Weighted by sample counts; also for gradients TensorFlow folds into constants, at every call."""
     bias = tf.Variable([0.0, 0.0])
 
     @tf.function
@@ -262,6 +262,19 @@ def check_constant_gradients():
     for _ in range(3):
         for result in combined(tf.ones((4, 2))):
             np.testing.assert_allclose(result.numpy(), [0.5, 0.5], rtol=1e-6)
+
+    # float16 gradients, None entries and IndexedSlices (from an embedding lookup), eagerly.
+    grads = [tf.constant([1.0, 2.0], tf.float16) * (RANK + 1), None,
+             tf.IndexedSlices(tf.fill([1, 2], float(RANK)), tf.constant([RANK % 2]), tf.constant([2, 2]))]
+    combined = tnt.optimizers.allreduce_gradients(grads, num_samples=RANK + 1)
+    shares = np.arange(1, SIZE + 1) / np.arange(1, SIZE + 1).sum()
+    assert combined[0].dtype == tf.float16 and combined[1] is None
+    np.testing.assert_allclose(combined[0].numpy(), (shares * np.arange(1, SIZE + 1)).sum() * np.array([1, 2]),
+                               rtol=1e-3)
+    embedding = np.zeros((2, 2))
+    for rank in range(SIZE):
+        embedding[rank % 2] += shares[rank] * rank
+    np.testing.assert_allclose(tf.convert_to_tensor(combined[2]).numpy(), embedding, rtol=1e-6, atol=1e-7)
 
 
 def check_custom_loops():
@@ -288,8 +301,8 @@ if __name__ == "__main__":
     print(f"rank {RANK}: structures, classes and broadcast_variables agree", flush=True)
     check_errors()
     print(f"rank {RANK}: bad input raised alike", flush=True)
-    check_constant_gradients()
-    print(f"rank {RANK}: constant gradients combined alike at every step", flush=True)
+    check_gradient_combination()
+    print(f"rank {RANK}: gradients combined as documented", flush=True)
     for line in check_custom_loops() if SIZE > 1 else []:  # one rank: examples/custom_loop.py
         print(f"rank {RANK}: custom loop {line}", flush=True)
     print(f"rank {RANK}: done", flush=True)
