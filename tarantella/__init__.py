@@ -31,6 +31,9 @@ if not _started_as_launcher():
     from tarantella.communication import (CollectiveTimeoutError, get_master_rank, get_rank, get_size,
                                           init, is_master_rank)
     from tarantella.model import Model, ParallelStrategy
+    from tarantella.collectives import (ReductionOp, TensorAllgatherer, TensorAllreducer, TensorBroadcaster,
+                                        allgather, allreduce, barrier, broadcast, broadcast_variables)
+    from tarantella import data, optimizers  # tnt.data.distribute, tnt.optimizers.Optimizer
     from tarantella import models  # tnt.models.load_model, ..., like keras.models
     from tarantella import callbacks as _callbacks
 

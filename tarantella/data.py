@@ -21,7 +21,7 @@ import tensorflow as tf
 from tensorflow.python.data.util import structure
 from tensorflow.python.framework import random_seed
 
-from tarantella import config
+from tarantella import communication, config
 
 logger = logging.getLogger("tarantella")
 
@@ -51,8 +51,11 @@ def micro_batch_size(global_batch_size, rank, size):
     return global_batch_size // size + (1 if rank < global_batch_size % size else 0)
 
 
-def distribute(dataset, rank, size):
-    """Returns the dataset of rank `rank`: its micro-batches, one per global batch."""
+def distribute(dataset, rank=None, size=None):
+    """Returns the dataset of rank `rank` (default: this process's): its micro-batches, one per global batch."""
+    if rank is None or size is None:
+        comm = communication.init()
+        rank, size = comm.rank, comm.size
     if not isinstance(dataset, tf.data.Dataset):
         raise TypeError(
             f"tarantella distributes tf.data.Dataset inputs; got {type(dataset).__name__}. "

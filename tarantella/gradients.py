@@ -57,6 +57,10 @@ class GradientAllreduce:
     def __call__(self, gradients, variables=None):
         """Sums `gradients` over ranks; None entries stay None.
 
+        The sums are written into the buffers handed over, so pass tensors computed in the
+        step (gradients times a weight): a gradient TensorFlow folded into a constant would
+        be summed into again at every step.
+
         With `variables` (aligned with `gradients`), each gradient takes its variable's
         shape: some ops (an einsum over a 3-D input) leave a gradient's static shape partly
         unknown. Without, the gradients' static shapes must be fully known."""

@@ -1,0 +1,108 @@
+"""Custom training loops: every rank applies the serial update of the global batch.
+
+Each rank differentiates the loss of its micro-batch. For a loss averaged over the
+micro-batch ("mean", Keras' default), the serial gradient of the global batch B is
+    sum over ranks r of (m_r / B) * g_r,   B = sum of m_r,
+where m_r is rank r's number of samples. Each rank sends m_r * g_r together with m_r in
+the same fused allreduce, and divides the two sums: one collective round gives B and the
+serial gradient, also when micro-batches differ in size (an uneven last batch). For a loss
+summed over the micro-batch ("sum") the serial gradient is the plain sum of the g_r.
+"""
+
+import keras
+import tensorflow as tf
+
+from tarantella import communication, config, gradients
+
+_LOSS_REDUCTIONS = ("mean", "sum")
+_WEIGHTED_AS_FLOAT32 = {tf.float16, tf.bfloat16}  # m_r * g_r could overflow 16 bits
+
+
+def allreduce_gradients(grads, num_samples=None, loss_reduction="mean"):
+    """Returns the gradients of the global batch's loss from this rank's `grads`, on every rank.
+
+    `grads` is a list aligned with the variables (None entries stay None). `num_samples` is
+    the number of samples this rank's loss was computed on (its micro-batch size, e.g.
+    `tf.shape(x)[0]`). With `loss_reduction="mean"`, each rank's gradient is weighted by
+    its share of the global batch; without `num_samples` all ranks weigh alike, which is
+    exact only when every micro-batch has the same size. With `loss_reduction="sum"` the
+    gradients are summed; `num_samples` only serves to ignore ranks with no samples.
+    A rank with `num_samples=0` contributes exactly zero, even if its gradient is NaN.
+    """
+    if loss_reduction not in _LOSS_REDUCTIONS:
+        raise ValueError(f"loss_reduction={loss_reduction!r}: use 'mean' for a loss averaged over the batch "
+                         "(Keras' default) or 'sum' for a loss summed over it.")
+    comm = communication.init()
+    if comm.size == 1 or all(g is None for g in grads):
+        return list(grads)
+    grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+    samples = None if num_samples is None else tf.cast(tf.reshape(num_samples, []), tf.float64)
+    # The allreduce writes into the buffers handed to it, and TensorFlow may fold a gradient
+    # (or a static sample count) into a constant whose buffer every later step reuses. A factor
+    # from DeepCopy, which TensorFlow never folds, makes each handed-over buffer new.
+    weight = tf.raw_ops.DeepCopy(x=samples if samples is not None and loss_reduction == "mean"
+                                 else tf.constant(1.0, tf.float64))
+    wire = []
+    for g in grads:
+        if g is not None:
+            g = tf.cast(g, tf.float32) if g.dtype in _WEIGHTED_AS_FLOAT32 else g
+            g = g * tf.cast(weight, g.dtype)
+            if samples is not None:  # 0 * NaN is NaN: a rank without samples must send zeros
+                g = tf.where(samples > 0, g, tf.zeros_like(g))
+        wire.append(g)
+    if samples is not None:
+        wire.append(tf.reshape(tf.raw_ops.DeepCopy(x=samples), [1]))
+    summed = gradients.GradientAllreduce(comm, config.fusion_threshold_bytes())(wire)
+    global_batch = summed.pop()[0] if num_samples is not None else None
+    if loss_reduction == "sum":
+        divisor = None
+    else:
+        divisor = global_batch if global_batch is not None else tf.constant(comm.size, tf.float64)
+    result = []
+    for original, total in zip(grads, summed):
+        if original is None:
+            result.append(None)
+            continue
+        if divisor is not None:
+            total = tf.math.divide_no_nan(total, tf.cast(divisor, total.dtype))
+        result.append(tf.cast(total, original.dtype))
+    return result
+
+
+class Optimizer:
+    """Wraps a Keras optimizer for a custom training loop on several ranks.
+
+    `apply` and `apply_gradients` first combine the ranks' gradients with
+    `allreduce_gradients` (pass `num_samples=`, the rank's micro-batch size), then run the
+    wrapped optimizer's update, the same on every rank. Everything else (`variables`,
+    `learning_rate`, `iterations`, `build`, ...) is the wrapped optimizer's.
+    """
+
+    def __init__(self, optimizer, loss_reduction="mean"):
+        if isinstance(optimizer, Optimizer):
+            raise TypeError("This optimizer is already a tnt.optimizers.Optimizer; wrap the Keras optimizer once.")
+        if loss_reduction not in _LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction={loss_reduction!r}: use 'mean' for a loss averaged over the batch "
+                             "(Keras' default) or 'sum' for a loss summed over it.")
+        object.__setattr__(self, "_optimizer", keras.optimizers.get(optimizer))
+        object.__setattr__(self, "_loss_reduction", loss_reduction)
+
+    @property
+    def optimizer(self):
+        """The wrapped Keras optimizer."""
+        return self._optimizer
+
+    def apply(self, grads, trainable_variables=None, num_samples=None):
+        combined = allreduce_gradients(list(grads), num_samples, self._loss_reduction)
+        return self._optimizer.apply(combined, trainable_variables)
+
+    def apply_gradients(self, grads_and_vars, num_samples=None):
+        grads, variables = zip(*grads_and_vars)
+        combined = allreduce_gradients(list(grads), num_samples, self._loss_reduction)
+        return self._optimizer.apply_gradients(zip(combined, variables))
+
+    def __getattr__(self, name):
+        return getattr(self._optimizer, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._optimizer, name, value)  # e.g. optimizer.learning_rate = 0.01
