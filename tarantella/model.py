@@ -396,22 +396,22 @@ class Model(keras.Model):
     def _prepare(self, element_spec, compiled_state):
         """Builds every variable, then gives all ranks the master's values (once, or after a change)."""
         wrapped = self._keras_model
-        if compiled_state:
-            if _overrides(wrapped, "train_step") and not _overrides(wrapped, "call"):
-                pass  # a GAN-like model: it has no forward pass of its own to build from
-            else:
-                wrapped._symbolic_build(data_batch=element_spec)
+        if compiled_state and _overrides(wrapped, "train_step") and not _overrides(wrapped, "call"):
+            # A GAN-like model has no forward pass of its own to build from: its sub-models
+            # must come built, or each rank would create their weights with its own values.
+            unbuilt = [layer.name for layer in wrapped._flatten_layers(include_self=False) if not layer.built]
+            if unbuilt:
+                raise ValueError(
+                    f"Layers {unbuilt[:5]} of {wrapped.name} have no weights yet, so they would be created "
+                    "with different random values on each rank. Build them before fit (give each sub-model "
+                    "a keras.Input, or call it once on a batch).")
+        elif compiled_state:
+            wrapped._symbolic_build(data_batch=element_spec)
         elif not all(layer.built for layer in wrapped._flatten_layers()):
             x, _, _ = keras.utils.unpack_x_y_sample_weight(element_spec)
             symbolic = tf.nest.map_structure(lambda s: keras.KerasTensor(s.shape, s.dtype.name), x)
             wrapped.compute_output_spec(symbolic)
         self.built = True
-        unbuilt = [layer.name for layer in wrapped._flatten_layers(include_self=False) if not layer.built]
-        if unbuilt:
-            raise ValueError(
-                f"Layers {unbuilt[:5]} of {wrapped.name} have no weights yet, so they would be created with "
-                "different random values on each rank. Build them before fit (give each sub-model a "
-                "keras.Input, or call it once on a batch).")
         if self._weights_synced:
             return
         variables = list(self.weights)

@@ -18,7 +18,7 @@ _LOSS_REDUCTIONS = ("mean", "sum")
 _WEIGHTED_AS_FLOAT32 = {tf.float16, tf.bfloat16}  # m_r * g_r could overflow 16 bits
 
 
-def allreduce_gradients(grads, num_samples=None, loss_reduction="mean"):
+def allreduce_gradients(grads, num_samples=None, loss_reduction="mean", variables=None):
     """Returns the gradients of the global batch's loss from this rank's `grads`, on every rank.
 
     `grads` is a list aligned with the variables (None entries stay None). `num_samples` is
@@ -28,6 +28,8 @@ def allreduce_gradients(grads, num_samples=None, loss_reduction="mean"):
     exact only when every micro-batch has the same size. With `loss_reduction="sum"` the
     gradients are summed; `num_samples` only serves to ignore ranks with no samples.
     A rank with `num_samples=0` contributes exactly zero, even if its gradient is NaN.
+    `variables` (aligned with `grads`) gives each gradient its variable's shape, for
+    gradients whose static shape TensorFlow left partly unknown (Dense on 3-D inputs).
     """
     if loss_reduction not in _LOSS_REDUCTIONS:
         raise ValueError(f"loss_reduction={loss_reduction!r}: use 'mean' for a loss averaged over the batch "
@@ -52,7 +54,10 @@ def allreduce_gradients(grads, num_samples=None, loss_reduction="mean"):
         wire.append(g)
     if samples is not None:
         wire.append(tf.reshape(tf.raw_ops.DeepCopy(x=samples), [1]))
-    summed = gradients.GradientAllreduce(comm, config.fusion_threshold_bytes())(wire)
+    shapes = None
+    if variables is not None:
+        shapes = [tf.TensorSpec(v.shape) for v in variables] + ([wire[-1]] if samples is not None else [])
+    summed = gradients.GradientAllreduce(comm, config.fusion_threshold_bytes())(wire, shapes)
     global_batch = summed.pop()[0] if num_samples is not None else None
     if loss_reduction == "sum":
         divisor = None
@@ -93,12 +98,13 @@ class Optimizer:
         return self._optimizer
 
     def apply(self, grads, trainable_variables=None, num_samples=None):
-        combined = allreduce_gradients(list(grads), num_samples, self._loss_reduction)
+        variables = list(trainable_variables) if trainable_variables is not None else None
+        combined = allreduce_gradients(list(grads), num_samples, self._loss_reduction, variables)
         return self._optimizer.apply(combined, trainable_variables)
 
     def apply_gradients(self, grads_and_vars, num_samples=None):
         grads, variables = zip(*grads_and_vars)
-        combined = allreduce_gradients(list(grads), num_samples, self._loss_reduction)
+        combined = allreduce_gradients(list(grads), num_samples, self._loss_reduction, list(variables))
         return self._optimizer.apply_gradients(zip(combined, variables))
 
     def __getattr__(self, name):

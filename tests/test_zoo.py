@@ -22,37 +22,10 @@ from workers.zoo import CASES
 WORKER = WORKERS / "zoo.py"
 RUN_TIMEOUT_S = 3600  # a last resort: the worker's watchdog ends a hung case after 600 s
 
-# (case, ranks) -> the failure measured on the current code (issue 8). strict: a fix flips them,
-# and then its entry goes.
-EMBEDDING = "issue 8.1: an Embedding's IndexedSlices gradient: TypeError: Cannot reconcile tf.cond {}-th outputs"
-DENSE_3D = ("issue 8.2: Dense on a 3-D input: the bucket plan reads the gradient's static shape: "
-            "TypeError: unsupported operand type(s) for *: 'NoneType' and 'int' in gradients._nbytes")
-LAYER_METRIC = ("issue 8.3: the endpoint layer's own BinaryAccuracy is not combined over ranks: "
-                "val_endpoint_accuracy differs by {}% relative, evaluate's by {}%")
-EMPTY_CONV2D = ("issue 8.5: the rank with an empty micro-batch runs Conv2D on 0 rows: InvalidArgumentError "
-                "(Relu of conv2d), the other ranks are left waiting")
-PREDICT_ON_BATCH = "issue 8.6: predict_on_batch returns every row once per rank ({} rows for 5 on {} ranks)"
-KNOWN_FAILURES = {
-    **{(case, ranks): EMBEDDING.format(0) for case in (
-        "transformer-encoder-classifier", "transformer-dropout-measured", "transformer-causal-language-model",
-        "seq2seq-gru-encoder-decoder", "bidirectional-lstm-text", "conv1d-text-classifier",
-        "textvectorization-into-embedding", "multi-input-multi-output", "recommender-two-tower-dot")
-       for ranks in CASES[case].ranks},
-    **{(case, ranks): EMBEDDING.format(1) for case in (
-        "recommender-subclassed-per-sample-dot", "recommender-keras-io-tensordot-measured")
-       for ranks in CASES[case].ranks},
-    ("masking-sequence-tagger", 2): DENSE_3D,
-    ("masking-sequence-tagger", 3): DENSE_3D,
-    ("endpoint-layer-owned-metric", 2): LAYER_METRIC.format(13, 5),
-    ("endpoint-layer-owned-metric", 3): LAYER_METRIC.format(16, 16),
-    ("conv2d-empty-micro-batch", 2): EMPTY_CONV2D,
-    ("conv2d-empty-micro-batch", 3): EMPTY_CONV2D,
-    ("on-batch-methods", 2): PREDICT_ON_BATCH.format(10, 2),
-    ("on-batch-methods", 3): PREDICT_ON_BATCH.format(15, 3),
-    ("optimizer-schedule-free-adamw", 2): (
-        "not in the issue: ScheduleFreeAdamW on 2 ranks ends 0.55 from serial in the weights, loss 17% apart "
-        "(serial Keras is deterministic here: 1 against 2 threads differ by 0)"),
-}
+# (case, ranks) -> the failure measured on the current code. strict: a fix flips them, and then
+# its entry goes. The zoo's first run found 25 (Embedding, Dense on 3-D inputs, layer-owned
+# metrics, empty Conv2D micro-batches, predict_on_batch, ScheduleFreeAdamW); all are fixed.
+KNOWN_FAILURES = {}
 
 
 def outcome(out, case, rank):

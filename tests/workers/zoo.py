@@ -236,8 +236,9 @@ def _transformer_classifier(keras, np, rng):
                           keras.optimizers.Adam(1e-3))
 
 
-@case("transformer-dropout-measured", ranks=(2,), save_load=False, tolerance={"weights": 1e-1, "logs": 1.0},
-      note="Dropout draws its masks per micro-batch; the bound is a guess until Embedding trains on 2 ranks")
+@case("transformer-dropout-measured", ranks=(2,), save_load=False, tolerance={"weights": 0.6, "logs": 0.3},
+      note="Dropout draws its masks per micro-batch; measured on 2 ranks: weights and Adam state 0.28 apart, "
+           "logs 0.11 relative; the bound is about twice that")
 def _transformer_dropout(keras, np, rng):
     tokens = token_sequences(np, rng, SAMPLES + VALIDATION_SAMPLES, 20, 100)
     return classification(keras, np, rng, tokens, 2, transformer_classifier(keras, 20, 100, 16, rate=0.1),
@@ -414,9 +415,9 @@ def _recommender(keras, np, rng):
 
 
 @case("recommender-keras-io-tensordot-measured", ranks=(2,), save_load=False,
-      tolerance={"weights": 1e-1, "logs": 1.0},
-      note="tensordot(user, item, 2) sums over the batch: each rank sums its micro-batch only; the bound is "
-           "a guess until Embedding trains on 2 ranks")
+      tolerance={"weights": 0.2, "logs": 0.05},
+      note="tensordot(user, item, 2) sums over the batch: each rank sums its micro-batch only; measured on 2 "
+           "ranks: weights 0.094 apart, logs 0.018 relative; the bound is about twice that")
 def _recommender_coupled(keras, np, rng):
     return recommender_spec(keras, np, rng, coupled=True)
 
