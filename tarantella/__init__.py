@@ -28,8 +28,9 @@ if not _started_as_launcher():
         raise ImportError(f"tarantella needs Keras' TensorFlow backend, but Keras runs on "
                           f"{keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing keras.")
 
-    from tarantella.communication import (CollectiveTimeoutError, get_master_rank, get_rank, get_size,
-                                          init, is_master_rank)
+    from tarantella.communication import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
+                                          RankLeftError, get_master_rank, get_rank, get_size, init,
+                                          is_master_rank)
     from tarantella.model import Model, ParallelStrategy
     from tarantella import saving as models  # tnt.models.load_model, ..., like keras.models
     from tarantella import callbacks as _callbacks

@@ -8,6 +8,7 @@ It imports neither TensorFlow nor MPI, so `tarantella --help` and `--dry-run` an
 import argparse
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -18,21 +19,25 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tarantella import __version__
+from tarantella import __version__, config
+from tarantella.rank_entry import FAILED, FINISHED, RANK_ANNOUNCEMENT, STARTED
 
 USAGE = "tarantella [options] -- program.py [program arguments ...]"
 # Variables every rank on every host gets from the launcher's environment (Open MPI, unlike
 # Hydra, passes almost nothing on by itself).
 FORWARDED_PREFIXES = ("TNT_", "TF_", "KERAS_", "MPI4PY_")
 FORWARDED_NAMES = ("PYTHONPATH",)
-# Ranks started by this command announce "rank, host, pid" on stderr with this prefix; the
-# command keeps these lines to itself and uses them to name a failed rank and its host.
-RANK_ANNOUNCEMENT = "tarantella-rank-announcement:"
+# Ranks started by this command announce on stderr, with RANK_ANNOUNCEMENT first, when they
+# start, join MPI ("rank host pid"), finish or fail; the command keeps these lines to itself
+# and uses them to bound the start-up and to name a failed rank and its host.
 # Each rank finds its index on the node here, to pick its NUMA node.
 LOCAL_RANK_VARIABLE = {"hydra": "MPI_LOCALRANKID", "openmpi": "OMPI_COMM_WORLD_LOCAL_RANK",
                        "srun": "SLURM_LOCALID"}
 _CLEANUP_GRACE_S = 5.0
-_STOP_HERE = "_stop-processes-here"  # internal: what `--cleanup` runs on each host
+_FAILURE_GRACE_S = 3.0  # after a rank reported its failure, MPI gets this long to end the job itself
+_STOP_GRACE_S = 3.0  # the MPI launcher gets this long to stop its ranks before everything is killed
+_STOP_HERE = "_stop-processes-here"
+_RANK_ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_entry.py")  # internal: what `--cleanup` runs on each host
 
 
 class LaunchError(Exception):
@@ -80,7 +85,8 @@ def main(argv=None):
         device = "GPU" if placement.use_gpu else "CPU"
         print(f"ranks: {placement.ranks} ({placement.ranks_per_node} per node on {where}, {device})")
         return 0
-    return _run(command, environment)
+    ranks_announcing = placement.ranks if _RANK_ENTRY in command else 0
+    return _run(command, environment, ranks_announcing, placement.hosts, config.start_timeout_s())
 
 
 # -- the command line ------------------------------------------------------------------------
@@ -363,9 +369,10 @@ def _rank_command(options, program):
     else:
         interpreter = [sys.executable] if program[0].endswith(".py") else []
     if interpreter and program[0].endswith(".py"):
-        # mpi4py's runner turns an uncaught exception or sys.exit(non-zero) on one rank into
-        # MPI_Abort; otherwise that rank would wait in MPI_Finalize and the job would hang.
-        return interpreter + ["-m", "mpi4py"] + program
+        # Like mpi4py's runner, it turns an uncaught exception or sys.exit(non-zero) on one rank
+        # into MPI_Abort (otherwise that rank would wait in MPI_Finalize and the job would hang),
+        # and it tells this command how the rank started and ended.
+        return interpreter + [_RANK_ENTRY] + program
     return interpreter + program
 
 
@@ -402,34 +409,93 @@ def _mpi_flavour(mpiexec):
 
 # -- running and failures ----------------------------------------------------------------------
 
-def _run(command, environment):
+def _run(command, environment, ranks, hosts, start_timeout_s):
+    """Runs the MPI launcher; `ranks` is how many ranks announce their start (0: none do)."""
     env = dict(os.environ)
     env.update(environment)
-    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # Its own process group: the command stops it and all it started (ssh included) at once.
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             start_new_session=True, preexec_fn=_end_with_parent)
 
     interrupted = []
 
     def forward(signum, _frame):
         interrupted.append(signum)
-        child.send_signal(signum)  # the MPI launcher stops every rank on every host
+        # SIGTERM, not SIGINT: each rank would print a KeyboardInterrupt traceback. The MPI
+        # launcher stops every rank on every host.
+        _signal_quietly(child.pid, signal.SIGTERM)
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, forward)
-    monitor = _OutputMonitor()
-    pumps = [threading.Thread(target=monitor.pass_on_stdout, args=(child.stdout,)),
-             threading.Thread(target=monitor.pass_on_stderr, args=(child.stderr,))]
+    monitor = _OutputMonitor(hosts)
+    pumps = [threading.Thread(target=monitor.pass_on_stdout, args=(child.stdout,), daemon=True),
+             threading.Thread(target=monitor.pass_on_stderr, args=(child.stderr,), daemon=True)]
     for pump in pumps:
         pump.start()
-    status = child.wait()
+    started_at = time.monotonic()
+    stopped_because = None
+    while True:
+        try:
+            status = child.wait(timeout=0.2)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if interrupted or stopped_because:
+            continue
+        now = time.monotonic()
+        if ranks and len(monitor.started) < ranks and now - started_at > start_timeout_s:
+            stopped_because = monitor.start_failure(ranks, start_timeout_s)
+        elif monitor.failed and now - monitor.failed[0][-1] > _FAILURE_GRACE_S:
+            stopped_because = "failure"  # e.g. a rank failed before MPI started: the others wait in MPI
+        if stopped_because:
+            _stop(child)
     for pump in pumps:
-        pump.join()
+        pump.join(timeout=5)
     if interrupted:
-        sys.stderr.write(f"tarantella: stopped every rank on {signal.Signals(interrupted[0]).name}.\n")
-        return 128 + interrupted[0]
-    if status == 0:
-        return 0
-    code = 128 - status if status < 0 else status
-    sys.stderr.write(f"tarantella: the job failed (exit status {code}): {monitor.failure()}\n")
+        return _report(f"stopped every rank on {signal.Signals(interrupted[0]).name}.", 128 + interrupted[0])
+    if stopped_because and stopped_because != "failure":
+        return _report(f"the job failed (exit status 1): {stopped_because}", 1)
+    if status == 0 and not stopped_because:
+        early = monitor.ranks_that_left_early()
+        if not early:
+            return 0
+        return _report(f"the job failed (exit status 1): {early}", 1)
+    code = 1 if stopped_because or status == 0 else 128 - status if status < 0 else status
+    return _report(f"the job failed (exit status {code}): {monitor.failure()}", code)
+
+
+def _end_with_parent():
+    """In the MPI launcher's process: it gets SIGTERM (and stops the ranks) should the command die."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG, Linux only
+    except (OSError, AttributeError):
+        pass
+
+
+def _signal_quietly(pid, signum, group=False):
+    try:
+        (os.killpg if group else os.kill)(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop(child):
+    """Stops the MPI launcher, then whatever of its process group still runs."""
+    _signal_quietly(child.pid, signal.SIGTERM)
+    try:
+        child.wait(timeout=_STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_quietly(child.pid, signal.SIGKILL, group=True)
+
+
+def _report(message, code):
+    try:
+        sys.stderr.write(f"tarantella: {message}\n")
+        sys.stderr.flush()
+    except (BrokenPipeError, ValueError):
+        pass
     return code
 
 
@@ -438,41 +504,115 @@ class _OutputMonitor:
 
     _KEPT_CHARACTERS = 1 << 16
 
-    def __init__(self):
+    def __init__(self, hosts_expected=()):
+        self.hosts_expected = hosts_expected
         self.hosts = {}  # rank -> host
         self.ranks_by_pid = {}  # pid -> {host: rank}
+        self.started = {}  # rank -> host, from the rank's first line
+        self.finished = set()
+        self.failed = []  # (rank, host, how, when)
+        self.ended_at = {}  # rank -> when its process ended (ranks on this host)
         self.recent = ""
         self._lock = threading.Lock()
+        self._broken_streams = set()
 
     def _keep(self, text):
         with self._lock:
             self.recent = (self.recent + text)[-self._KEPT_CHARACTERS:]
 
+    def _write(self, stream, data):
+        """Writes on; a reader that went away (`| head`) must not stop the job or its output."""
+        if stream in self._broken_streams:
+            return
+        try:
+            stream.buffer.write(data)
+            stream.buffer.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            self._broken_streams.add(stream)
+            try:  # Python's own flush at exit would complain about the closed pipe again
+                os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+            except (OSError, ValueError):
+                pass
+
     def pass_on_stdout(self, stream):
         # Raw chunks, not lines: progress bars redraw with '\r' and must appear as they come.
         while chunk := os.read(stream.fileno(), 1 << 16):
-            sys.stdout.buffer.write(chunk)
-            sys.stdout.buffer.flush()
+            self._write(sys.stdout, chunk)
             self._keep(chunk.decode(errors="replace"))
 
     def pass_on_stderr(self, stream):
         for line in stream:
             text = line.decode(errors="replace")
             if text.startswith(RANK_ANNOUNCEMENT):
-                rank, host, pid = text[len(RANK_ANNOUNCEMENT):].split()
-                self.hosts[int(rank)] = host
-                self.ranks_by_pid.setdefault(pid, {})[host] = int(rank)
+                self._note(text[len(RANK_ANNOUNCEMENT):].split())
                 continue
-            sys.stderr.buffer.write(line)
-            sys.stderr.buffer.flush()
+            self._write(sys.stderr, line)
             self._keep(text)
+
+    def _note(self, words):
+        if words[0] in (STARTED, FINISHED, FAILED):
+            event, rank, host, pid, *how = words
+            if not rank.isdigit():
+                return
+            rank = int(rank)
+            if event == STARTED:
+                self.started[rank] = host
+                if host == socket.gethostname():
+                    threading.Thread(target=self._watch, args=(rank, int(pid)), daemon=True).start()
+            elif event == FINISHED:
+                self.finished.add(rank)
+            else:
+                self.failed.append((rank, host, how[0] if how else "an error", time.monotonic()))
+            return
+        rank, host, pid = words  # from tarantella.init(): the rank in MPI
+        self.hosts[int(rank)] = host
+        self.ranks_by_pid.setdefault(pid, {})[host] = int(rank)
+
+    def _watch(self, rank, pid):
+        """Notes when a rank's process on this host ends: the first to end is the one that left."""
+        try:
+            handle = os.pidfd_open(pid)
+        except (OSError, AttributeError):
+            return
+        select.select([handle], [], [])
+        self.ended_at[rank] = time.monotonic()
+        os.close(handle)
+
+    def start_failure(self, ranks, timeout_s):
+        joined = set(self.started.values())
+        missing = [host for host in self.hosts_expected if host not in joined and
+                   host.split(".")[0] not in {name.split(".")[0] for name in joined}]
+        where = f"; hosts that never joined: {', '.join(missing)}" if missing else ""
+        return (f"only {len(self.started)} of {ranks} ranks started within {timeout_s:g} s "
+                f"(TNT_START_TIMEOUT){where}. Check that `ssh HOST true` works for every host without a "
+                "password, and that the hosts can reach each other.")
+
+    def ranks_that_left_early(self):
+        """A description of the ranks that ended with status 0 without finishing the program."""
+        gone = sorted(set(self.started) - self.finished)
+        if not gone:
+            return None
+        first = min(gone, key=lambda rank: self.ended_at.get(rank, float("inf")))
+        if first in self.ended_at:
+            gone = [first]
+        listing = ", ".join(f"rank {rank} on host {self.started[rank]}" for rank in gone)
+        return (f"{listing} left early: it ended with status 0 without finishing the program (e.g. "
+                "os._exit), and the MPI launcher stopped the other ranks. Their unfinished work (saves, "
+                "output) is lost. End a rank by returning from the program or with sys.exit.")
 
     def failure(self):
         """Which rank failed, on which host, and how, as far as the output tells."""
         text = self.recent
-        raised = re.search(r"tarantella: rank (\d+) on host (\S+) failed with (\w+)", text)
+        raised = re.search(r"tarantella: rank (\d+) on host (\S+) failed with (\w+)(?:: (.*?))?; stopping all "
+                           r"ranks\.", text)
         if raised:
-            return f"rank {raised.group(1)} on host {raised.group(2)} raised {raised.group(3)}."
+            rank, host, error, summary = raised.groups()
+            return f"rank {rank} on host {host} raised {error}" + (f": {summary}." if summary else ".")
+        if self.failed:
+            rank, host, how, _ = self.failed[0]
+            if how.startswith("exit-status-"):
+                return f"rank {rank} on host {host} exited with status {how[len('exit-status-'):]}."
+            return f"rank {rank} on host {host} raised {how}."
         aborted = re.search(r"Abort\((\d+)\) on node \d+ \(rank (\d+) in comm 0\)", text)
         if aborted:
             rank = int(aborted.group(2))

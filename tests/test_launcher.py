@@ -10,6 +10,7 @@ import time
 from conftest import REPO, WORKERS, assert_ok, launch, launcher_command, quiet_env, run_python
 
 SCENARIOS = WORKERS / "scenarios.py"
+RANK_ENTRY = str(REPO / "tarantella" / "rank_entry.py")
 
 
 def clean_env(**extra):
@@ -60,7 +61,7 @@ def test_dry_run_shows_the_exact_command_and_environment_in_order():
                      "train.py", "--epochs", "2")
     command = command_of(output)
     assert " -n 3 " in command
-    assert re.search(r"/python[\d.]* -m mpi4py train\.py --epochs 2$", command), command
+    assert re.search(r"/python[\d.]* \S+/tarantella/rank_entry\.py train\.py --epochs 2$", command), command
     assert "-genv TNT_FUSION_THRESHOLD 8" in command and "-genv A 'has space'" in command
     assert environment_of(output) == [
         "PYTHONUNBUFFERED=1", "KERAS_BACKEND=tensorflow", "TNT_FUSION_THRESHOLD=8", "TNT_OUTPUT_ON_ALL_DEVICES=true", "TNT_LOG_LEVEL=INFO",
@@ -87,7 +88,7 @@ def test_a_program_that_is_not_python_runs_as_it_is():
 def test_python_interpreter_wraps_the_program_and_an_empty_one_runs_it_directly():
     wrapped = command_of(dry_run("-n", "2", "--python-interpreter", "valgrind --leak-check=yes python3", "--",
                                  "train.py", "-v"))
-    assert wrapped.endswith(" TNT_ANNOUNCE_RANKS true valgrind --leak-check=yes python3 -m mpi4py train.py -v")
+    assert wrapped.endswith(" TNT_ANNOUNCE_RANKS true valgrind --leak-check=yes python3 " + RANK_ENTRY + " train.py -v")
     direct = command_of(dry_run("-n", "2", "--python-interpreter", "", "--", "./tool.py", "-v"))
     assert direct.endswith(" TNT_ANNOUNCE_RANKS true ./tool.py -v")
 
@@ -175,7 +176,7 @@ def test_srun_as_the_launcher_gets_tasks_nodes_and_variables_through_env(tmp_pat
     command = command_of(dry_run("-x", "DATA=/a,b", "--", "t.py", env=env))
     assert command.startswith(f"{srun} --ntasks=4 --ntasks-per-node=2 --kill-on-bad-exit=1 --nodes=2 "
                               "--nodelist=n1,n2 env PYTHONUNBUFFERED=1 ")
-    assert " DATA=/a,b " in command and command.endswith(" -m mpi4py t.py")
+    assert " DATA=/a,b " in command and command.endswith(f" {RANK_ENTRY} t.py")
 
 
 # -- devices -------------------------------------------------------------------------------------

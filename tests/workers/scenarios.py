@@ -77,6 +77,27 @@ def exit_3_on_rank_1():
     train_until_rank_1_fails(lambda: sys.exit(3))
 
 
+def exit_0_on_rank_1():
+    train_until_rank_1_fails(lambda: sys.exit(0))
+
+
+def os_exit_0_on_rank_1():
+    train_until_rank_1_fails(lambda: os._exit(0))
+
+
+def stop_rank_1():
+    train_until_rank_1_fails(lambda: os.kill(os.getpid(), signal.SIGSTOP))
+
+
+def evaluate_while_fit():
+    """Rank 0 evaluates while rank 1 trains: both must name the two operations."""
+    model = compiled()
+    if tnt.get_rank() == 0:
+        model.evaluate(dataset(), verbose=0)
+    else:
+        model.fit(dataset(), epochs=1, verbose=0)
+
+
 class ReportTraining(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if batch == 2:
@@ -183,6 +204,10 @@ SCENARIOS = {
     "raise-on-rank-1": raise_on_rank_1,
     "kill-rank-1-mid-epoch": kill_rank_1_mid_epoch,
     "exit-3-on-rank-1": exit_3_on_rank_1,
+    "exit-0-on-rank-1": exit_0_on_rank_1,
+    "os-exit-0-on-rank-1": os_exit_0_on_rank_1,
+    "stop-rank-1": stop_rank_1,
+    "evaluate-while-fit": evaluate_while_fit,
     "train-until-interrupted": train_until_interrupted,
     "log-messages": log_messages,
     "different-models": different_models,
