@@ -217,9 +217,9 @@ class Communicator:
                 self.peers.raise_if_needed_rank_left(what)
             if self.stall_warning_s is not None and not warned and waited >= self.stall_warning_s:
                 warned = True
-                self._warn_stall(what, waited)
+                self._warn_stall(_with_call(what), waited)
             if waited >= self.timeout_s:
-                raise self._missing_ranks_error(what)
+                raise self._missing_ranks_error(_with_call(what))
             polls += 1
             if polls < _SPINNING_POLLS:
                 os.sched_yield()  # the rank we wait for may need this core
@@ -469,6 +469,7 @@ class _PeerMonitor:
             gone = sorted((rank, state) for rank, state in self._finished.items() if state[0] < self._comm.entered)
         if not gone:
             return
+        what = _with_call(what)
         rank, (entered, _, last, host) = gone[0]
         summary = (f"rank {rank} on host {host} left early: it finished the program after collective "
                    f"#{entered} ({last}) while rank {self._comm.rank} waited for it in {what} "

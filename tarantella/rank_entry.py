@@ -39,10 +39,12 @@ def main():
         run_command_line(sys.argv[1:])
     except SystemExit as exit:
         status = exit.code
-        if status not in (None, 0):
-            announce(FAILED, f"exit-status-{status if isinstance(status, int) else 1}")
-        else:
+        if status in (None, 0):
             announce(FINISHED)
+        else:
+            status = status if isinstance(status, int) else 1
+            announce(FAILED, f"exit-status-{status}")
+            _abort_at_once(status)
         set_abort_status(exit)
         raise
     except KeyboardInterrupt as interrupt:
@@ -53,6 +55,13 @@ def main():
         set_abort_status(1)
         raise
     announce(FINISHED)
+
+
+def _abort_at_once(status):
+    """Ends the job now: at exit, tarantella would first tell the other ranks this one finished."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.COMM_WORLD.Abort(status)
 
 
 if __name__ == "__main__":
