@@ -5,12 +5,12 @@ calls in program order, the gradient buckets of a step in the order of a static 
 (while backprop goes on). So collectives on the communicator never race, whatever order
 TensorFlow runs its ops in.
 
-Before each collective the ranks agree on it: a non-blocking allreduce of a code of the
-operation, which the worker polls. So a rank that waits can give up (a timeout, a rank that
-has already finished the program) without being stuck inside MPI, and ranks that enter
-different collectives get an error naming both. A second communicator, served by a
-monitor thread on every rank, answers "what are you doing?" while the first one waits:
-that names the ranks that did not arrive in stall warnings and timeouts.
+Before each collective the ranks agree on it (a 16-byte allreduce of a code of the
+operation), so ranks that enter different collectives get an error naming both, never a
+mismatched buffer in MPI. The caller waits in short slices and meanwhile watches the other
+ranks through a second communicator, served by a monitor thread on every rank: it learns
+at once that a rank it waits for has finished the program, asks the missing ranks what
+they are doing for the stall warning and the timeout, and gives up without waiting for MPI.
 """
 
 import atexit
@@ -57,10 +57,9 @@ class CollectiveMismatchError(CollectiveError):
 # The first collective error of this process: TensorFlow wraps an error raised inside a step
 # in its own UnknownError, and the user should see this one instead.
 _first_failure = None
-# While it polls, the worker sleeps at most this long between tests; short at first, so that
-# ranks arriving together lose almost nothing.
-_SPINNING_POLLS = 200
-_POLL_SLEEP_S = (0.0, 0.0005, 0.002, 0.01)
+# A waiting caller looks at the other ranks this often; a collective that completes wakes it
+# at once.
+_CHECK_EVERY_S = 0.05
 _QUERY_WAIT_S = 1.0
 
 
@@ -98,6 +97,7 @@ class _BucketRound:
                 self.changed.notify_all()
 
     def wait(self, timeout_s):
+        """True once every bucket is reduced; False after `timeout_s`. Raises the worker's error."""
         with self.changed:
             finished = self.changed.wait_for(
                 lambda: self.error is not None or self.reduced == len(self.arrays), timeout_s)
@@ -137,21 +137,11 @@ class Communicator:
         while True:
             self._jobs.get()()
 
-    def _timeout_error(self, what):
-        return CollectiveTimeoutError(
-            f"rank {self.rank}: {what} did not complete within {self.timeout_s:g} s. Another rank "
-            "has failed, hangs, or runs a different number of steps. If a rank legitimately "
-            "needs longer (e.g. the master writes a large file), raise TNT_COLLECTIVE_TIMEOUT.")
-
-    def _safety_bound_s(self):
-        # The worker gives up after timeout_s with a precise error; this bound only catches a
-        # worker stuck elsewhere (e.g. a step whose gradients never came).
-        return 2 * self.timeout_s + 10
-
     def run(self, what, operation, agree_on=None):
         """Runs `operation(mpi_comm)` on the worker, after any gradient round; bounded wait.
 
         First the ranks agree that they all run `agree_on` (default: `what`)."""
+        self._refuse_if_broken(what)
         outcome = {}
         done = threading.Event()
 
@@ -166,19 +156,43 @@ class Communicator:
                 done.set()
 
         self._jobs.put(job)
-        if not done.wait(self._safety_bound_s()):  # blocking releases the GIL, which the worker needs
-            raise _remember(self._timeout_error(what))
+        self._wait(done.wait, what)
         if "error" in outcome:
             raise _remember(outcome["error"])
         return outcome.get("value")
 
+    def _refuse_if_broken(self, what):
+        if self._broken is not None:
+            raise _remember(CollectiveError(
+                f"rank {self.rank}: {what} cannot start: an earlier collective failed ({self._broken}), so "
+                "the ranks are out of step. End the program.", summary=self._broken))
+
+    def _wait(self, finished, what):
+        """Waits for `finished(timeout)` to return True, watching the other ranks meanwhile.
+
+        Gives up when a rank this one waits for has finished the program, or after the
+        timeout; warns once about a stall. (The worker may stay blocked in MPI: the
+        communicator is then unusable, and the job is meant to end.)"""
+        started = time.monotonic()
+        warned = False
+        while not finished(_CHECK_EVERY_S):
+            waited = time.monotonic() - started
+            try:
+                if self.peers is not None:
+                    self.peers.raise_if_needed_rank_left(self.current or what)
+                if self.stall_warning_s is not None and not warned and waited >= self.stall_warning_s:
+                    warned = True
+                    self._warn_stall(_with_call(self.current or what), waited)
+                if waited >= self.timeout_s:
+                    raise self._missing_ranks_error(_with_call(self.current or what))
+            except CollectiveError as error:
+                self._broken = error.summary or str(error)
+                raise _remember(error)
+
     # -- the agreement before each collective (runs on the worker) ------------------------
 
     def enter(self, what, agree_on):
-        """Waits until every rank enters this collective; raises if one cannot or enters another."""
-        if self._broken is not None:
-            raise CollectiveError(f"rank {self.rank}: {what} cannot start: an earlier collective failed "
-                                  f"({self._broken}), so the ranks are out of step. End the program.")
+        """Waits until every rank enters a collective; raises if they entered different ones."""
         self.current = what
         self.entered += 1
         if self.size == 1:
@@ -186,12 +200,7 @@ class Communicator:
         from mpi4py import MPI
         code = zlib.crc32(agree_on.encode()) + 1
         codes = np.array([code, -code], np.int64)  # max of both: equal everywhere iff all agree
-        request = self._mpi.Iallreduce(MPI.IN_PLACE, codes, op=MPI.MAX)
-        try:
-            self._wait_for_everyone(request, what)
-        except CollectiveError as error:
-            self._broken = error.summary or str(error)
-            raise
+        self._mpi.Allreduce(MPI.IN_PLACE, codes, op=MPI.MAX)
         if codes[0] != code or codes[1] != -code:
             everyone = self._mpi.allgather(_with_call(what))
             listing = "; ".join(f"rank {rank}: {doing}" for rank, doing in enumerate(everyone))
@@ -206,25 +215,6 @@ class Communicator:
     def leave(self):
         if self.current is not None:
             self.last, self.current = self.current, None
-
-    def _wait_for_everyone(self, request, what):
-        started = time.monotonic()
-        warned = False
-        polls = 0
-        while not request.Test():
-            waited = time.monotonic() - started
-            if self.peers is not None:
-                self.peers.raise_if_needed_rank_left(what)
-            if self.stall_warning_s is not None and not warned and waited >= self.stall_warning_s:
-                warned = True
-                self._warn_stall(_with_call(what), waited)
-            if waited >= self.timeout_s:
-                raise self._missing_ranks_error(_with_call(what))
-            polls += 1
-            if polls < _SPINNING_POLLS:
-                os.sched_yield()  # the rank we wait for may need this core
-            else:
-                time.sleep(_POLL_SLEEP_S[min(polls // _SPINNING_POLLS, len(_POLL_SLEEP_S) - 1)])
 
     def _describe_missing(self, what):
         """[(rank, description)] of the ranks that are not in this collective, after asking them."""
@@ -313,6 +303,7 @@ class Communicator:
 
     def submit_bucket(self, index, count, array):
         """Hands over bucket `index` of `count`; returns at once. The array is reduced in place."""
+        self._refuse_if_broken("the gradient allreduce")
         with self._round_lock:
             if self._round is None:
                 self._round = _BucketRound(count)
@@ -356,19 +347,15 @@ class Communicator:
         with self._round_lock:
             step_round, self._round = self._round, None
         try:
-            finished = step_round.wait(self._safety_bound_s())
+            self._wait(step_round.wait, f"the gradient allreduce of step {self._steps_reduced + 1}")
         except BaseException as error:
             raise _remember(error)
-        if not finished:
-            raise _remember(self._timeout_error(
-                f"the gradient allreduce of step {self._steps_reduced + 1} "
-                f"({step_round.reduced} of {len(step_round.arrays)} buckets done)"))
         self._steps_reduced += 1
         return step_round.arrays
 
 
-_SAVE_HINT = (" If only the master calls save (`if tnt.is_master_rank(): model.save(...)`), call save on "
-              "every rank instead: tarantella writes the file on the master only.")
+_SAVE_HINT = (" If only the master calls save (`if tnt.is_master_rank(): model.save(...)`): call save on "
+              "every rank; tarantella writes on the master only.")
 
 
 # The methods a user calls that run collectives, as named in the rank's messages.
@@ -388,6 +375,19 @@ def _with_call(what):
             call = code.co_name  # the outermost wins: evaluate inside fit is fit's validation
         frame = frame.f_back
     return f"{what} (in {call})" if call else what
+
+
+def _finish(communicator):
+    """At the program's end: tell the other ranks, unless a failed collective left this rank
+    out of step (its worker may still wait inside MPI, and MPI_Finalize would wait for ever)."""
+    if communicator._broken is None:
+        communicator.peers.announce_finished()
+        return
+    sys.stderr.write(f"tarantella: rank {communicator.rank} on host {communicator.host} reached the end of the "
+                     f"program after a failed collective ({communicator._broken}); stopping all ranks.\n")
+    sys.stderr.flush()
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Abort(1)
 
 
 def _remember(error):
@@ -517,7 +517,7 @@ def init():
                           stall_warning_s=config.stall_warning_s())
     if _world.peers is not None:
         # Registered after MPI's own exit handler, so it runs first, while MPI still works.
-        atexit.register(_world.peers.announce_finished)
+        atexit.register(_finish, _world)
     _configure_logging(_world.rank)
     if config.announce_ranks():
         # The line the `tarantella` command needs to name this rank's host should it fail.

@@ -100,3 +100,8 @@ def stall_warning_s():
 def start_timeout_s():
     """How long the `tarantella` command waits for every rank to start before it stops the job."""
     return _number("TNT_START_TIMEOUT", DEFAULT_START_TIMEOUT_S, 1, "seconds")
+
+
+def tensorflow_startup_logs():
+    """The `tarantella` command shows TensorFlow's C++ start-up messages (oneDNN, CPU features)."""
+    return _flag("TNT_TENSORFLOW_STARTUP_LOGS")

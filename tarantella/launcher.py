@@ -25,8 +25,15 @@ from tarantella.rank_entry import FAILED, FINISHED, RANK_ANNOUNCEMENT, STARTED
 USAGE = "tarantella [options] -- program.py [program arguments ...]"
 # Variables every rank on every host gets from the launcher's environment (Open MPI, unlike
 # Hydra, passes almost nothing on by itself).
-FORWARDED_PREFIXES = ("TNT_", "TF_", "KERAS_", "MPI4PY_")
+# TensorFlow's variables by their documented prefixes, not every TF_ (Terraform uses TF_ too).
+FORWARDED_PREFIXES = ("TNT_", "KERAS_", "MPI4PY_", "TF_CPP_", "TF_ENABLE_", "TF_FORCE_", "TF_GPU_", "TF_XLA_",
+                      "TF_NUM_", "TF_CUDNN_", "TF_DETERMINISTIC_", "TF_USE_LEGACY_KERAS")
 FORWARDED_NAMES = ("PYTHONPATH",)
+# TensorFlow's C++ start-up messages (INFO lines in absl's format, and absl's banner) ignore
+# TF_CPP_MIN_LOG_LEVEL; the command drops them unless TNT_TENSORFLOW_STARTUP_LOGS is true.
+_TENSORFLOW_INFO_LINE = re.compile(r"I\d{4} \d+:\d+:\d+(?:\.\d+)?\s+\d+ [\w.]+:\d+\] ")
+_ABSL_BANNER = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+_CPU_FEATURES_CONTINUATION = "To enable the following instructions:"
 # Ranks started by this command announce on stderr, with RANK_ANNOUNCEMENT first, when they
 # start, join MPI ("rank host pid"), finish or fail; the command keeps these lines to itself
 # and uses them to bound the start-up and to name a failed rank and its host.
@@ -65,6 +72,7 @@ def main(argv=None):
         hosts = _hosts(options)
         if options.cleanup:
             return _cleanup(options, program, hosts)
+        _check_program(options, program)
         mpiexec = _find_mpiexec()
         flavour = _mpi_flavour(mpiexec)
         placement = place_ranks(options, hosts, count_gpus())
@@ -139,7 +147,12 @@ def _parse(argv):
     parser.add_argument("--dry-run", action="store_true",
                         help="print the command and environment that would run, and exit")
     parser.add_argument("--version", action="version", version=f"tarantella {__version__}")
-    options = parser.parse_args(own)
+    options, unknown = parser.parse_known_args(own)
+    if unknown:
+        if "--" not in argv and not unknown[0].startswith("-"):
+            parser.error(f"put the program after '--': tarantella {shlex.join(own[:len(own) - len(unknown)])}"
+                         f"{' ' if len(own) > len(unknown) else ''}-- {shlex.join(unknown)}")
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     for assignment in options.variables:
         if "=" not in assignment or assignment.startswith("="):
             parser.error(f"-x expects VAR=VALUE, got {assignment!r}")
@@ -148,6 +161,14 @@ def _parse(argv):
     if not program:
         parser.error("name the program after '--', e.g. tarantella -n 2 -- train.py")
     return options, program
+
+
+def _check_program(options, program):
+    """A missing script is reported once here, not as a traceback on every rank."""
+    runs_python_file = program[0].endswith(".py") and options.python_interpreter != ""
+    if runs_python_file and not options.dry_run and not os.path.isfile(program[0]):
+        raise LaunchError(f"the program {program[0]!r} does not exist (in {os.getcwd()}). Name the script to "
+                          "run after '--', e.g. tarantella -n 2 -- train.py.")
 
 
 def _positive_int(text):
@@ -379,7 +400,11 @@ def _rank_command(options, program):
 def _find_mpiexec():
     configured = os.environ.get("TNT_MPIEXEC")
     if configured:
-        return shlex.split(configured)
+        command = shlex.split(configured)
+        if not shutil.which(command[0]):
+            raise LaunchError(f"TNT_MPIEXEC={configured!r} names {command[0]!r}, which is not an executable "
+                              "program (nor on PATH). Fix TNT_MPIEXEC, or unset it to use mpiexec.")
+        return command
     # The `mpich` wheel installs mpiexec beside the interpreter, which need not be on PATH.
     beside_python = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     if os.access(beside_python, os.X_OK):
@@ -427,7 +452,7 @@ def _run(command, environment, ranks, hosts, start_timeout_s):
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, forward)
-    monitor = _OutputMonitor(hosts)
+    monitor = _OutputMonitor(hosts, quiet_tensorflow=not config.tensorflow_startup_logs())
     pumps = [threading.Thread(target=monitor.pass_on_stdout, args=(child.stdout,), daemon=True),
              threading.Thread(target=monitor.pass_on_stderr, args=(child.stderr,), daemon=True)]
     for pump in pumps:
@@ -504,8 +529,9 @@ class _OutputMonitor:
 
     _KEPT_CHARACTERS = 1 << 16
 
-    def __init__(self, hosts_expected=()):
+    def __init__(self, hosts_expected=(), quiet_tensorflow=True):
         self.hosts_expected = hosts_expected
+        self.quiet_tensorflow = quiet_tensorflow
         self.hosts = {}  # rank -> host
         self.ranks_by_pid = {}  # pid -> {host: rank}
         self.started = {}  # rank -> host, from the rank's first line
@@ -545,6 +571,9 @@ class _OutputMonitor:
             text = line.decode(errors="replace")
             if text.startswith(RANK_ANNOUNCEMENT):
                 self._note(text[len(RANK_ANNOUNCEMENT):].split())
+                continue
+            if self.quiet_tensorflow and (_TENSORFLOW_INFO_LINE.match(text) or text.startswith(
+                    (_ABSL_BANNER, _CPU_FEATURES_CONTINUATION))):
                 continue
             self._write(sys.stderr, line)
             self._keep(text)

@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from tarantella import callbacks as callbacks_module
-from tarantella import communication, config, data, gradients, saving
+from tarantella import agreement, communication, config, data, gradients, saving
 
 logger = communication.logger
 
@@ -469,6 +469,7 @@ class Model(keras.Model):
         variables = list(self.weights)
         if self.compiled and self.optimizer is not None and self.optimizer.built:
             variables += list(self.optimizer.variables)
+        agreement.check_same_compile_settings(self._comm, self)
         _check_same_variables_everywhere(self._comm, variables)
         _broadcast_from_master(self._comm, variables, "the broadcast of the master's weights")
         self._weights_synced = True

@@ -89,6 +89,21 @@ def stop_rank_1():
     train_until_rank_1_fails(lambda: os.kill(os.getpid(), signal.SIGSTOP))
 
 
+def different_optimizers():
+    """SGD on rank 0, RMSprop on rank 1: the same variables, a different training step."""
+    model = tnt.Model(small_model())
+    model.compile("sgd" if tnt.get_rank() == 0 else "rmsprop", "sparse_categorical_crossentropy")
+    model.fit(dataset(), epochs=1, verbose=0)
+
+
+def master_only_save():
+    """The habit from Horovod: only the master calls save, after training."""
+    model = compiled()
+    model.fit(dataset(), epochs=1, verbose=0)
+    if tnt.is_master_rank():
+        model.save(sys.argv[2])
+
+
 def evaluate_while_fit():
     """Rank 0 evaluates while rank 1 trains: both must name the two operations."""
     model = compiled()
@@ -208,6 +223,8 @@ SCENARIOS = {
     "os-exit-0-on-rank-1": os_exit_0_on_rank_1,
     "stop-rank-1": stop_rank_1,
     "evaluate-while-fit": evaluate_while_fit,
+    "different-optimizers": different_optimizers,
+    "master-only-save": master_only_save,
     "train-until-interrupted": train_until_interrupted,
     "log-messages": log_messages,
     "different-models": different_models,
