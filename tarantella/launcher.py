@@ -72,11 +72,11 @@ def main(argv=None):
         hosts = _hosts(options)
         if options.cleanup:
             return _cleanup(options, program, hosts)
-        _check_program(options, program)
         mpiexec = _find_mpiexec()
         flavour = _mpi_flavour(mpiexec)
         placement = place_ranks(options, hosts, count_gpus())
         command, environment = build_command(options, program, placement, mpiexec, flavour)
+        _check_program(options, program)
     except LaunchError as error:
         sys.stderr.write(f"tarantella: error: {error}\n")
         return 2

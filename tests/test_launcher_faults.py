@@ -41,15 +41,30 @@ def wait_until_gone(word, seconds):
     return processes_naming(word)
 
 
+def stop_leftovers(launcher, marker):
+    """Whatever the test found, nothing it started may outlive it."""
+    if launcher.poll() is None:
+        os.killpg(launcher.pid, signal.SIGKILL)
+    for entry in processes_naming(marker):
+        try:
+            os.kill(int(entry.split(":")[0]), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def last_line(text):
     return text.strip().splitlines()[-1]
 
 
 def test_a_rank_failing_before_mpi_starts_ends_the_job_naming_it_with_its_traceback_once():
     started = time.monotonic()
-    launcher = start("-n", "2", "--no-gpu", "--", str(PLAIN), "fail-before-mpi", stdout=subprocess.PIPE,
+    marker = f"marker-{uuid.uuid4().hex}"
+    launcher = start("-n", "2", "--no-gpu", "--", str(PLAIN), "fail-before-mpi", marker, stdout=subprocess.PIPE,
                      stderr=subprocess.PIPE)
-    _, stderr = launcher.communicate(timeout=60)
+    try:
+        _, stderr = launcher.communicate(timeout=30)
+    finally:
+        stop_leftovers(launcher, marker)
     assert launcher.returncode == 1, stderr
     assert time.monotonic() - started < 10
     assert last_line(stderr) == (f"tarantella: the job failed (exit status 1): rank 1 on host "
@@ -59,16 +74,16 @@ def test_a_rank_failing_before_mpi_starts_ends_the_job_naming_it_with_its_traceb
 
 def test_a_reader_that_closes_the_output_early_does_not_stop_the_job():
     # tarantella -n 2 -- program | head -n 5
-    launcher = start("-n", "2", "--no-gpu", "--", str(PLAIN), "chatter", stdout=subprocess.PIPE,
+    marker = f"marker-{uuid.uuid4().hex}"
+    launcher = start("-n", "2", "--no-gpu", "--", str(PLAIN), "chatter", marker, stdout=subprocess.PIPE,
                      stderr=subprocess.PIPE)
     first_lines = [launcher.stdout.readline() for _ in range(5)]
     launcher.stdout.close()
     try:
-        stderr = launcher.stderr.read()
-        assert launcher.wait(timeout=60) == 0, stderr
+        _, stderr = launcher.communicate(timeout=30)
+        assert launcher.returncode == 0, stderr
     finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
+        stop_leftovers(launcher, marker)
     assert all(re.fullmatch(r"rank \d line \d+ x+\n", line) for line in first_lines), first_lines
     assert "rank 0: finished" in stderr and "rank 1: finished" in stderr
     assert "BrokenPipeError" not in stderr and "Traceback" not in stderr, stderr
@@ -88,18 +103,24 @@ def _start_running_ranks(marker):
 def test_killing_only_the_launcher_stops_every_rank_within_10_s():
     marker = f"marker-{uuid.uuid4().hex}"
     launcher = _start_running_ranks(marker)
-    os.kill(launcher.pid, signal.SIGKILL)  # only the command: the ranks are in another session
-    launcher.wait(timeout=10)
-    assert wait_until_gone(marker, 10) == []
+    try:
+        os.kill(launcher.pid, signal.SIGKILL)  # only the command: the ranks are in another session
+        launcher.wait(timeout=10)
+        assert wait_until_gone(marker, 10) == []
+    finally:
+        stop_leftovers(launcher, marker)
 
 
 def test_sighup_to_the_launcher_stops_every_rank_like_sigterm():
     marker = f"marker-{uuid.uuid4().hex}"
     launcher = _start_running_ranks(marker)
-    launcher.send_signal(signal.SIGHUP)
-    assert launcher.wait(timeout=10) == 128 + signal.SIGHUP
-    assert last_line(launcher.stderr.read()) == "tarantella: stopped every rank on SIGHUP."
-    assert wait_until_gone(marker, 10) == []
+    try:
+        launcher.send_signal(signal.SIGHUP)
+        assert launcher.wait(timeout=10) == 128 + signal.SIGHUP
+        assert last_line(launcher.stderr.read()) == "tarantella: stopped every rank on SIGHUP."
+        assert wait_until_gone(marker, 10) == []
+    finally:
+        stop_leftovers(launcher, marker)
 
 
 def test_a_host_that_never_answers_ends_the_start_up_after_the_bound_naming_it(tmp_path):
@@ -117,10 +138,15 @@ def test_a_host_that_never_answers_ends_the_start_up_after_the_bound_naming_it(t
     launcher = start("--hostfile", str(hostfile), "--no-gpu", "--", str(PLAIN), "run-forever", marker,
                      env={"TNT_START_TIMEOUT": "3", "HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": str(hung_ssh)},
                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, stderr = launcher.communicate(timeout=60)
+    try:
+        _, stderr = launcher.communicate(timeout=30)
+        ended = time.monotonic()
+        leftovers = wait_until_gone(marker, 5)  # the hung ssh too
+    finally:
+        stop_leftovers(launcher, marker)
     assert launcher.returncode == 1, stderr
-    assert time.monotonic() - started < 12
+    assert ended - started < 12
     assert last_line(stderr).startswith("tarantella: the job failed (exit status 1): only 1 of 2 ranks started "
                                         "within 3 s (TNT_START_TIMEOUT); hosts that never joined: "
                                         "unreachable-node."), stderr
-    assert wait_until_gone(marker, 5) == []
+    assert leftovers == []
