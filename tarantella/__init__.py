@@ -22,7 +22,14 @@ def _started_as_launcher():
 
 
 if not _started_as_launcher():
-    import keras
+    try:
+        import keras
+        keras.backend.backend()
+    except ModuleNotFoundError as missing:
+        if missing.name != "tensorflow":
+            raise
+        raise ImportError("tarantella needs TensorFlow, which is not installed. Install it with tarantella: "
+                          "pip install 'tarantella[cpu]' (or 'tarantella[gpu]' on GPU nodes).") from None
 
     if keras.backend.backend() != "tensorflow":
         raise ImportError(f"tarantella needs Keras' TensorFlow backend, but Keras runs on "

@@ -507,7 +507,12 @@ def init():
         return _world
     config.fusion_threshold_bytes()  # bad settings fail here, on every rank, before any collective
     ring_allreduce = config.ring_allreduce()
-    from mpi4py import MPI
+    try:
+        from mpi4py import MPI
+    except RuntimeError as error:  # mpi4py is installed, but no MPI library
+        raise ImportError(f"tarantella found no MPI library ({str(error).splitlines()[0]}). Install one: pip "
+                          "install 'tarantella[mpich]', or a system MPI (e.g. apt-get install libmpich-dev) "
+                          "and point MPI4PY_LIBMPI at its libmpi.so.") from None
     world = MPI.COMM_WORLD
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     local_rank, local_size = node.Get_rank(), node.Get_size()

@@ -130,6 +130,16 @@ def test_a_save_called_on_the_master_only_fails_at_once_saying_to_call_it_everyw
     assert target.stat().st_size > 0  # the master wrote the file before it needed the others
 
 
+def test_saves_clean_abandoned_partial_files_agree_on_overwrite_and_name_the_target(tmp_path):
+    process = launch(2, SCENARIOS, "saves", tmp_path, timeout=120)
+    assert_ok(process)
+    assert "rank 0: abandoned partial file left: False" in process.stdout, process.stdout
+    for rank in (0, 1):
+        assert f"rank {rank}: overwrite=False on new files: ['saved']" in process.stdout, process.stdout
+        missing = re.search(rf"rank {rank}: save into a missing folder: (.*)", process.stdout).group(1)
+        assert str(tmp_path / "missing" / "m.keras") in missing and ".tnt-partial" not in missing, missing
+
+
 def test_a_rank_left_waiting_in_evaluate_learns_at_once_that_the_other_finished():
     started = time.monotonic()
     process = launch(2, SCENARIOS, "uneven-steps", timeout=120)  # no short timeout needed

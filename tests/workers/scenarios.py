@@ -104,6 +104,28 @@ def master_only_save():
         model.save(sys.argv[2])
 
 
+def saves():
+    """Saving edge cases in one job: a partial file left by a killed save, overwrite=False with
+    every rank writing the same new file, a save into a missing folder."""
+    import socket
+    folder = sys.argv[2]
+    model = compiled()
+    abandoned = os.path.join(folder, f".tnt-partial-{socket.gethostname()}-999999999-0123456789ab-model.keras")
+    if tnt.is_master_rank():
+        open(abandoned, "w").close()
+    model.save(os.path.join(folder, "model.keras"))
+    report(f"abandoned partial file left: {os.path.exists(abandoned)}")
+    outcomes = set()
+    for attempt in range(10):
+        try:
+            model.save(os.path.join(folder, f"new-{attempt}.keras"), overwrite=False, tnt_save_all_devices=True)
+            outcomes.add("saved")
+        except Exception as error:
+            outcomes.add(f"{type(error).__name__}: {error}")
+    report(f"overwrite=False on new files: {sorted(outcomes)}")
+    report_errors({"save into a missing folder": lambda: model.save(os.path.join(folder, "missing", "m.keras"))})
+
+
 def evaluate_while_fit():
     """Rank 0 evaluates while rank 1 trains: both must name the two operations."""
     model = compiled()
@@ -225,6 +247,7 @@ SCENARIOS = {
     "evaluate-while-fit": evaluate_while_fit,
     "different-optimizers": different_optimizers,
     "master-only-save": master_only_save,
+    "saves": saves,
     "train-until-interrupted": train_until_interrupted,
     "log-messages": log_messages,
     "different-models": different_models,
