@@ -22,14 +22,22 @@ def _started_as_launcher():
 
 
 if not _started_as_launcher():
-    import keras
+    try:
+        import keras
+        keras.backend.backend()
+    except ModuleNotFoundError as missing:
+        if missing.name != "tensorflow":
+            raise
+        raise ImportError("tarantella needs TensorFlow, which is not installed. Install it with tarantella: "
+                          "pip install 'tarantella[cpu]' (or 'tarantella[gpu]' on GPU nodes).") from None
 
     if keras.backend.backend() != "tensorflow":
         raise ImportError(f"tarantella needs Keras' TensorFlow backend, but Keras runs on "
                           f"{keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing keras.")
 
-    from tarantella.communication import (CollectiveTimeoutError, get_master_rank, get_rank, get_size,
-                                          init, is_master_rank)
+    from tarantella.communication import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
+                                          RankLeftError, get_master_rank, get_rank, get_size, init,
+                                          is_master_rank)
     from tarantella.model import Model, ParallelStrategy
     from tarantella.collectives import (ReductionOp, TensorAllgatherer, TensorAllreducer, TensorBroadcaster,
                                         allgather, allreduce, barrier, broadcast, broadcast_variables)

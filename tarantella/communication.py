@@ -3,10 +3,17 @@
 One worker thread issues every collective of the process, one at a time: synchronous
 calls in program order, the gradient buckets of a step in the order of a static plan
 (while backprop goes on). So collectives on the communicator never race, whatever order
-TensorFlow runs its ops in. Callers wait with a time limit, and a timeout names the
-operation.
+TensorFlow runs its ops in.
+
+Before each collective the ranks agree on it (a 16-byte allreduce of a code of the
+operation), so ranks that enter different collectives get an error naming both, never a
+mismatched buffer in MPI. The caller waits in short slices and meanwhile watches the other
+ranks through a second communicator, served by a monitor thread on every rank: it learns
+at once that a rank it waits for has finished the program, asks the missing ranks what
+they are doing for the stall warning and the timeout, and gives up without waiting for MPI.
 """
 
+import atexit
 import logging
 import os
 import queue
@@ -14,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+import zlib
 
 import numpy as np
 
@@ -26,8 +34,33 @@ _ABORT_GRACE_S = 1.0
 _RING_MIN_BYTES = 1 << 20  # below this MPI's own algorithms have the lower latency
 
 
-class CollectiveTimeoutError(RuntimeError):
+class CollectiveError(RuntimeError):
+    """The ranks could not complete a collective together. `summary` is one line for the launcher."""
+
+    def __init__(self, message, summary=None):
+        super().__init__(message)
+        self.summary = summary
+
+
+class CollectiveTimeoutError(CollectiveError):
     """A collective did not complete because another rank did not take part in time."""
+
+
+class RankLeftError(CollectiveError):
+    """A rank finished the program while another one still needed it in a collective."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Ranks entered different collectives (e.g. one in evaluate, another in fit)."""
+
+
+# The first collective error of this process: TensorFlow wraps an error raised inside a step
+# in its own UnknownError, and the user should see this one instead.
+_first_failure = None
+# A waiting caller looks at the other ranks this often; a collective that completes wakes it
+# at once.
+_CHECK_EVERY_S = 0.05
+_QUERY_WAIT_S = 1.0
 
 
 class _BucketRound:
@@ -48,8 +81,9 @@ class _BucketRound:
             self.arrays[index] = array
             self.changed.notify_all()
 
-    def reduce_in_plan_order(self, reduce):
+    def reduce_in_plan_order(self, begin, reduce):
         try:
+            begin()
             for index in range(len(self.arrays)):
                 with self.changed:
                     self.changed.wait_for(lambda: self.arrays[index] is not None)
@@ -64,6 +98,7 @@ class _BucketRound:
                 self.changed.notify_all()
 
     def wait(self, timeout_s):
+        """True once every bucket is reduced; False after `timeout_s`. Raises the worker's error."""
         with self.changed:
             finished = self.changed.wait_for(
                 lambda: self.error is not None or self.reduced == len(self.arrays), timeout_s)
@@ -75,18 +110,27 @@ class _BucketRound:
 class Communicator:
     """One MPI communicator and the worker thread that issues its collectives."""
 
-    def __init__(self, mpi_comm, timeout_s, ring_allreduce=True):
+    def __init__(self, mpi_comm, timeout_s, ring_allreduce=True, side_comm=None, stall_warning_s=None):
         self._mpi = mpi_comm
         self._ring_allreduce = ring_allreduce
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self.timeout_s = timeout_s
+        self.stall_warning_s = stall_warning_s
+        self.host = socket.gethostname()
         self._jobs = queue.SimpleQueue()
         threading.Thread(target=self._work, name="tarantella-collectives", daemon=True).start()
         self._round = None
         self._round_lock = threading.Lock()
         self._scratch = np.empty(0, np.uint8)
         self._steps_reduced = 0
+        # What this rank does, for the other ranks' questions: collectives entered, the one it
+        # waits in (None between collectives) and the one before.
+        self.entered = 0
+        self.current = None
+        self.last = None
+        self._broken = None  # the error after which this communicator cannot be used
+        self.peers = _PeerMonitor(side_comm, self) if side_comm is not None and self.size > 1 else None
 
     # -- the worker -------------------------------------------------------------
 
@@ -94,46 +138,142 @@ class Communicator:
         while True:
             self._jobs.get()()
 
-    def _timeout_error(self, what):
-        return CollectiveTimeoutError(
-            f"rank {self.rank}: {what} did not complete within {self.timeout_s:g} s. Another rank "
-            "has failed, hangs, or runs a different number of steps. If a rank legitimately "
-            "needs longer (e.g. the master writes a large file), raise TNT_COLLECTIVE_TIMEOUT.")
+    def run(self, what, operation, agree_on=None):
+        """Runs `operation(mpi_comm)` on the worker, after any gradient round; bounded wait.
 
-    def run(self, what, operation):
-        """Runs `operation(mpi_comm)` on the worker, after any gradient round; bounded wait."""
+        First the ranks agree that they all run `agree_on` (default: `what`)."""
+        self._refuse_if_broken(what)
         outcome = {}
         done = threading.Event()
 
         def job():
             try:
+                self.enter(what, what if agree_on is None else agree_on)
                 outcome["value"] = operation(self._mpi)
             except BaseException as error:
                 outcome["error"] = error
             finally:
+                self.leave()
                 done.set()
 
         self._jobs.put(job)
-        if not done.wait(self.timeout_s):  # blocking releases the GIL, which the worker needs
-            raise self._timeout_error(what)
+        self._wait(done.wait, what)
         if "error" in outcome:
-            raise outcome["error"]
+            raise _remember(outcome["error"])
         return outcome.get("value")
+
+    def _refuse_if_broken(self, what):
+        if self._broken is not None:
+            raise _remember(CollectiveError(
+                f"rank {self.rank}: {what} cannot start: an earlier collective failed ({self._broken}), so "
+                "the ranks are out of step. End the program.", summary=self._broken))
+
+    def _wait(self, finished, what):
+        """Waits for `finished(timeout)` to return True, watching the other ranks meanwhile.
+
+        Gives up when a rank this one waits for has finished the program, or after the
+        timeout; warns once about a stall. (The worker may stay blocked in MPI: the
+        communicator is then unusable, and the job is meant to end.)"""
+        started = time.monotonic()
+        warned = False
+        while not finished(_CHECK_EVERY_S):
+            waited = time.monotonic() - started
+            try:
+                if self.peers is not None:
+                    self.peers.raise_if_needed_rank_left(self.current or what)
+                if self.stall_warning_s is not None and not warned and waited >= self.stall_warning_s:
+                    warned = True
+                    self._warn_stall(_with_call(self.current or what), waited)
+                if waited >= self.timeout_s:
+                    raise self._missing_ranks_error(_with_call(self.current or what))
+            except CollectiveError as error:
+                self._broken = error.summary or str(error)
+                raise _remember(error)
+
+    # -- the agreement before each collective (runs on the worker) ------------------------
+
+    def enter(self, what, agree_on):
+        """Waits until every rank enters a collective; raises if they entered different ones."""
+        self.current = what
+        self.entered += 1
+        if self.size == 1:
+            return
+        from mpi4py import MPI
+        code = zlib.crc32(agree_on.encode()) + 1
+        codes = np.array([code, -code], np.int64)  # max of both: equal everywhere iff all agree
+        self._mpi.Allreduce(MPI.IN_PLACE, codes, op=MPI.MAX)
+        if codes[0] != code or codes[1] != -code:
+            everyone = self._mpi.allgather(_with_call(what))
+            listing = "; ".join(f"rank {rank}: {doing}" for rank, doing in enumerate(everyone))
+            error = CollectiveMismatchError(
+                f"rank {self.rank}: the ranks entered different collectives (collective #{self.entered}): "
+                f"{listing}. Every rank must call fit, evaluate, predict and save alike, in the same "
+                "order, with the same epochs and steps." + _SAVE_HINT * ("save" in listing),
+                summary=f"the ranks entered different collectives: {listing}")
+            self._broken = error.summary
+            raise error
+
+    def leave(self):
+        if self.current is not None:
+            self.last, self.current = self.current, None
+
+    def _describe_missing(self, what):
+        """[(rank, description)] of the ranks that are not in this collective, after asking them."""
+        answers = self.peers.ask_everyone() if self.peers is not None else {}
+        missing = []
+        for rank in range(self.size):
+            if rank == self.rank:
+                continue
+            answer = answers.get(rank)
+            if answer is None:
+                missing.append((rank, f"rank {rank} did not answer (stopped, or stuck outside Python); it "
+                                      f"took part in collective #{self.entered - 1} ({self.last})"))
+                continue
+            entered, current, last, host = answer
+            if entered == self.entered and current is not None:
+                continue  # it is here
+            doing = (f"is in {current} (collective #{entered})" if current is not None else
+                     f"is not in a collective; its last was {last} (#{entered})")
+            missing.append((rank, f"rank {rank} on host {host} {doing}"))
+        return missing
+
+    def _warn_stall(self, what, waited):
+        missing = self._describe_missing(what)
+        waiting = [rank for rank in range(self.size) if rank not in dict(missing)]
+        if not missing or min(waiting) != self.rank:
+            return  # one warning per stall: the waiting rank with the lowest number writes it
+        sys.stderr.write(
+            f"tarantella: WARNING: rank {self.rank} has waited {waited:.0f} s in {what} (collective "
+            f"#{self.entered}) for {len(missing)} rank(s): " + "; ".join(text for _, text in missing)
+            + f". The job fails after TNT_COLLECTIVE_TIMEOUT={self.timeout_s:g} s.\n")
+        sys.stderr.flush()
+
+    def _missing_ranks_error(self, what):
+        missing = self._describe_missing(what)
+        who = "; ".join(text for _, text in missing) or "every rank answered, but the collective did not complete"
+        ranks = ", ".join(str(rank) for rank, _ in missing)
+        return CollectiveTimeoutError(
+            f"rank {self.rank}: {what} (collective #{self.entered}) did not complete within "
+            f"{self.timeout_s:g} s: rank(s) {ranks} did not arrive. {who}. A rank has failed, hangs, or "
+            "runs different code (other epochs or steps). If a rank legitimately needs longer (e.g. the "
+            "master writes a large file), raise TNT_COLLECTIVE_TIMEOUT." + _SAVE_HINT * ("save" in what),
+            summary=f"rank(s) {ranks} did not arrive at {what} within {self.timeout_s:g} s ({who})")
 
     # -- synchronous collectives --------------------------------------------------
 
     def allreduce_sum(self, array, what):
         from mpi4py import MPI
         result = np.array(array, copy=True, order="C")
-        self.run(what, lambda comm: comm.Allreduce(MPI.IN_PLACE, result, op=MPI.SUM))
+        self.run(what, lambda comm: comm.Allreduce(MPI.IN_PLACE, result, op=MPI.SUM),
+                 agree_on=f"{what} of {result.dtype}[{result.size}]")
         return result
 
-    def allgather(self, obj, what):
-        return self.run(what, lambda comm: comm.allgather(obj))
+    def allgather(self, obj, what, agree_on=None):
+        return self.run(what, lambda comm: comm.allgather(obj), agree_on=agree_on)
 
     def broadcast_bytes(self, buffer, what, root=MASTER_RANK):
         """Overwrites the uint8 array `buffer` with the root's copy."""
-        self.run(what, lambda comm: comm.Bcast(buffer, root=root))
+        self.run(what, lambda comm: comm.Bcast(buffer, root=root), agree_on=f"{what} of {buffer.nbytes} bytes")
 
     def allgather_interleaved_rows(self, arrays, what):
         """Gathers row-split arrays back into global order.
@@ -167,13 +307,22 @@ class Communicator:
 
         An array is summed over ranks in place; a tuple (indices, values) of a sparse
         gradient is replaced by the concatenation of every rank's, in rank order."""
+        self._refuse_if_broken("the gradient allreduce")
         with self._round_lock:
             if self._round is None:
                 self._round = _BucketRound(count)
                 step_round = self._round
-                self._jobs.put(lambda: step_round.reduce_in_plan_order(self._reduce_bucket))
+                what = f"the gradient allreduce of step {self._steps_reduced + 1}"
+                begin = lambda: self.enter(what, f"the gradient allreduce of {count} buckets")
+                self._jobs.put(lambda: self._reduce_round(step_round, begin))
             step_round = self._round
         step_round.deposit(index, array)
+
+    def _reduce_round(self, step_round, begin):
+        try:
+            step_round.reduce_in_plan_order(begin, self._reduce_bucket)
+        finally:
+            self.leave()
 
     def _reduce_bucket(self, bucket):
         if isinstance(bucket, tuple):
@@ -235,12 +384,152 @@ class Communicator:
         """Waits until every bucket of this step is reduced; returns them in plan order."""
         with self._round_lock:
             step_round, self._round = self._round, None
-        if not step_round.wait(self.timeout_s):
-            raise self._timeout_error(
-                f"the gradient allreduce of step {self._steps_reduced + 1} "
-                f"({step_round.reduced} of {len(step_round.arrays)} buckets done)")
+        try:
+            self._wait(step_round.wait, f"the gradient allreduce of step {self._steps_reduced + 1}")
+        except BaseException as error:
+            raise _remember(error)
         self._steps_reduced += 1
         return step_round.arrays
+
+
+_SAVE_HINT = (" If only the master calls save (`if tnt.is_master_rank(): model.save(...)`): call save on "
+              "every rank; tarantella writes on the master only.")
+
+
+# The methods a user calls that run collectives, as named in the rank's messages.
+_USER_CALLS = {"fit", "evaluate", "predict", "save", "save_weights", "save_model"}
+_PACKAGE_FOLDER = os.path.dirname(os.path.abspath(__file__))
+
+
+def _with_call(what):
+    """`what`, followed by the tarantella method the program called, e.g. "(in evaluate)".
+
+    Read from the main thread's stack, so it costs nothing until a message needs it."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    call = None
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in _USER_CALLS and os.path.dirname(code.co_filename) == _PACKAGE_FOLDER:
+            call = code.co_name  # the outermost wins: evaluate inside fit is fit's validation
+        frame = frame.f_back
+    return f"{what} (in {call})" if call else what
+
+
+def _finish(communicator):
+    """At the program's end: tell the other ranks, unless a failed collective left this rank
+    out of step (its worker may still wait inside MPI, and MPI_Finalize would wait for ever)."""
+    if communicator._broken is None:
+        communicator.peers.announce_finished()
+        return
+    sys.stderr.write(f"tarantella: rank {communicator.rank} on host {communicator.host} reached the end of the "
+                     f"program after a failed collective ({communicator._broken}); stopping all ranks.\n")
+    sys.stderr.flush()
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Abort(1)
+
+
+def _remember(error):
+    global _first_failure
+    if _first_failure is None and isinstance(error, CollectiveError):
+        _first_failure = error
+    return error
+
+
+class _PeerMonitor:
+    """Serves the second communicator: answers the other ranks' "what are you doing?" and
+    learns which ranks have finished the program.
+
+    It polls (non-blocking probes, a few times a second) instead of blocking in MPI, whose
+    waiting spins and would take a core from the training.
+    """
+
+    _ASK, _ANSWER, _FINISHED = 1, 2, 3
+    _POLL_S = 0.05
+
+    def __init__(self, side_comm, communicator):
+        self._side = side_comm
+        self._comm = communicator
+        self._finished = {}  # rank -> its (entered, current, last, host) when it finished
+        self._answers = {}
+        self._changed = threading.Condition()
+        self._sending = []
+        self._sending_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="tarantella-peers", daemon=True)
+        self._thread.start()
+
+    def _state(self):
+        comm = self._comm
+        current = comm.current
+        return comm.entered, None if current is None else _with_call(current), comm.last, comm.host
+
+    def _send(self, rank, tag, message):
+        request = self._side.isend(message, dest=rank, tag=tag)
+        with self._sending_lock:
+            self._sending.append(request)
+
+    def _serve(self):
+        from mpi4py import MPI
+        status = MPI.Status()
+        while not self._stop.is_set():
+            while self._side.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+                source, tag = status.Get_source(), status.Get_tag()
+                message = self._side.recv(source=source, tag=tag)
+                if tag == self._ASK:
+                    self._send(source, self._ANSWER, self._state())
+                with self._changed:
+                    if tag == self._ANSWER:
+                        self._answers[source] = message
+                    elif tag == self._FINISHED:
+                        self._finished[source] = message
+                    self._changed.notify_all()
+            with self._sending_lock:
+                self._sending = [request for request in self._sending if not request.Test()]
+            self._stop.wait(self._POLL_S)
+
+    def ask_everyone(self):
+        """{rank: (collectives entered, current one or None, the one before, host)} of the ranks
+        that answer within a second; finished ranks answer with their state at the end."""
+        others = [rank for rank in range(self._comm.size) if rank != self._comm.rank]
+        with self._changed:
+            self._answers = {}
+        for rank in others:
+            if rank not in self._finished:
+                self._send(rank, self._ASK, None)
+        with self._changed:
+            self._changed.wait_for(lambda: all(r in self._answers or r in self._finished for r in others),
+                                   _QUERY_WAIT_S)
+            return {**self._answers, **self._finished}
+
+    def raise_if_needed_rank_left(self, what):
+        """Raises RankLeftError when a rank finished the program before entering this collective."""
+        with self._changed:
+            gone = sorted((rank, state) for rank, state in self._finished.items() if state[0] < self._comm.entered)
+        if not gone:
+            return
+        what = _with_call(what)
+        rank, (entered, _, last, host) = gone[0]
+        summary = (f"rank {rank} on host {host} left early: it finished the program after collective "
+                   f"#{entered} ({last}) while rank {self._comm.rank} waited for it in {what} "
+                   f"(#{self._comm.entered})")
+        raise RankLeftError(
+            f"rank {self._comm.rank}: {summary}. Every rank must run the same collectives: a rank may "
+            "end only when the others need it no more." + _SAVE_HINT * ("save" in what), summary=summary)
+
+    def announce_finished(self):
+        """Tells every rank that this one has finished the program; then stops serving."""
+        state = self._state()
+        for rank in range(self._comm.size):
+            if rank != self._comm.rank:
+                self._send(rank, self._FINISHED, state)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:  # small messages: done at once unless a rank is gone
+            with self._sending_lock:
+                if all(request.Test() for request in self._sending):
+                    break
+            time.sleep(0.01)
+        self._stop.set()
+        self._thread.join()
 
 
 _world = None
@@ -256,16 +545,26 @@ def init():
         return _world
     config.fusion_threshold_bytes()  # bad settings fail here, on every rank, before any collective
     ring_allreduce = config.ring_allreduce()
-    from mpi4py import MPI
+    try:
+        from mpi4py import MPI
+    except RuntimeError as error:  # mpi4py is installed, but no MPI library
+        raise ImportError(f"tarantella found no MPI library ({str(error).splitlines()[0]}). Install one: pip "
+                          "install 'tarantella[mpich]', or a system MPI (e.g. apt-get install libmpich-dev) "
+                          "and point MPI4PY_LIBMPI at its libmpi.so.") from None
     world = MPI.COMM_WORLD
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     local_rank, local_size = node.Get_rank(), node.Get_size()
     node.Free()
-    _world = Communicator(world.Dup(), config.collective_timeout_s(), ring_allreduce)
+    side = world.Dup() if world.Get_size() > 1 else None
+    _world = Communicator(world.Dup(), config.collective_timeout_s(), ring_allreduce, side_comm=side,
+                          stall_warning_s=config.stall_warning_s())
+    if _world.peers is not None:
+        # Registered after MPI's own exit handler, so it runs first, while MPI still works.
+        atexit.register(_finish, _world)
     _configure_logging(_world.rank)
     if config.announce_ranks():
         # The line the `tarantella` command needs to name this rank's host should it fail.
-        from tarantella.launcher import RANK_ANNOUNCEMENT
+        from tarantella.rank_entry import RANK_ANNOUNCEMENT
         sys.stderr.write(f"{RANK_ANNOUNCEMENT} {_world.rank} {socket.gethostname()} {os.getpid()}\n")
         sys.stderr.flush()
     if _world.size > 1 or not config.use_gpu():
@@ -333,12 +632,28 @@ def _stop_all_ranks_on_uncaught_error(rank):
     previous_hook = sys.excepthook
 
     def abort_job(exc_type, exc, tb):
-        previous_hook(exc_type, exc, tb)
+        cause = _collective_failure_behind(exc)
+        if cause is None:
+            previous_hook(exc_type, exc, tb)
+        else:  # the traceback would show tarantella's internals, and TensorFlow's wrapping repeats it
+            exc_type, exc = type(cause), cause
+            sys.stderr.write(f"{exc_type.__name__}: {exc}\n")
+        summary = f": {exc.summary}" if isinstance(exc, CollectiveError) and exc.summary else ""
         sys.stderr.write(f"tarantella: rank {rank} on host {socket.gethostname()} failed with "
-                         f"{exc_type.__name__}; stopping all ranks.\n")
+                         f"{exc_type.__name__}{summary}; stopping all ranks.\n")
         sys.stderr.flush()
         time.sleep(_ABORT_GRACE_S)  # ranks failing on the same bad input get to print their error too
         from mpi4py import MPI
         MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = abort_job
+
+
+def _collective_failure_behind(error):
+    """The CollectiveError that `error` is or wraps (TensorFlow turns an error raised inside a
+    training step into an UnknownError carrying its text), else None."""
+    if isinstance(error, CollectiveError):
+        return error
+    if _first_failure is not None and str(_first_failure) in str(error):
+        return _first_failure
+    return None

@@ -4,6 +4,8 @@ import os
 
 DEFAULT_FUSION_THRESHOLD_KB = 32
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+DEFAULT_STALL_WARNING_S = 60.0
+DEFAULT_START_TIMEOUT_S = 120.0
 DEFAULT_SHUFFLE_SEED = 42
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -88,3 +90,18 @@ def log_level():
     if level not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
         raise ValueError(f"TNT_LOG_LEVEL={level!r} is not one of DEBUG, INFO, WARNING, ERROR.")
     return level
+
+
+def stall_warning_s():
+    """After this many seconds in one collective, a waiting rank warns once, naming the missing ranks."""
+    return _number("TNT_STALL_WARNING", DEFAULT_STALL_WARNING_S, 1, "seconds")
+
+
+def start_timeout_s():
+    """How long the `tarantella` command waits for every rank to start before it stops the job."""
+    return _number("TNT_START_TIMEOUT", DEFAULT_START_TIMEOUT_S, 1, "seconds")
+
+
+def tensorflow_startup_logs():
+    """The `tarantella` command shows TensorFlow's C++ start-up messages (oneDNN, CPU features)."""
+    return _flag("TNT_TENSORFLOW_STARTUP_LOGS")

@@ -8,6 +8,7 @@ It imports neither TensorFlow nor MPI, so `tarantella --help` and `--dry-run` an
 import argparse
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -18,21 +19,32 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tarantella import __version__
+from tarantella import __version__, config
+from tarantella.rank_entry import FAILED, FINISHED, RANK_ANNOUNCEMENT, STARTED
 
 USAGE = "tarantella [options] -- program.py [program arguments ...]"
 # Variables every rank on every host gets from the launcher's environment (Open MPI, unlike
 # Hydra, passes almost nothing on by itself).
-FORWARDED_PREFIXES = ("TNT_", "TF_", "KERAS_", "MPI4PY_")
+# TensorFlow's variables by their documented prefixes, not every TF_ (Terraform uses TF_ too).
+FORWARDED_PREFIXES = ("TNT_", "KERAS_", "MPI4PY_", "TF_CPP_", "TF_ENABLE_", "TF_FORCE_", "TF_GPU_", "TF_XLA_",
+                      "TF_NUM_", "TF_CUDNN_", "TF_DETERMINISTIC_", "TF_USE_LEGACY_KERAS")
 FORWARDED_NAMES = ("PYTHONPATH",)
-# Ranks started by this command announce "rank, host, pid" on stderr with this prefix; the
-# command keeps these lines to itself and uses them to name a failed rank and its host.
-RANK_ANNOUNCEMENT = "tarantella-rank-announcement:"
+# TensorFlow's C++ start-up messages (INFO lines in absl's format, and absl's banner) ignore
+# TF_CPP_MIN_LOG_LEVEL; the command drops them unless TNT_TENSORFLOW_STARTUP_LOGS is true.
+_TENSORFLOW_INFO_LINE = re.compile(r"I\d{4} \d+:\d+:\d+(?:\.\d+)?\s+\d+ [\w.]+:\d+\] ")
+_ABSL_BANNER = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+_CPU_FEATURES_CONTINUATION = "To enable the following instructions:"
+# Ranks started by this command announce on stderr, with RANK_ANNOUNCEMENT first, when they
+# start, join MPI ("rank host pid"), finish or fail; the command keeps these lines to itself
+# and uses them to bound the start-up and to name a failed rank and its host.
 # Each rank finds its index on the node here, to pick its NUMA node.
 LOCAL_RANK_VARIABLE = {"hydra": "MPI_LOCALRANKID", "openmpi": "OMPI_COMM_WORLD_LOCAL_RANK",
                        "srun": "SLURM_LOCALID"}
 _CLEANUP_GRACE_S = 5.0
-_STOP_HERE = "_stop-processes-here"  # internal: what `--cleanup` runs on each host
+_FAILURE_GRACE_S = 3.0  # after a rank reported its failure, MPI gets this long to end the job itself
+_STOP_GRACE_S = 3.0  # the MPI launcher gets this long to stop its ranks before everything is killed
+_STOP_HERE = "_stop-processes-here"
+_RANK_ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_entry.py")  # internal: what `--cleanup` runs on each host
 
 
 class LaunchError(Exception):
@@ -64,6 +76,7 @@ def main(argv=None):
         flavour = _mpi_flavour(mpiexec)
         placement = place_ranks(options, hosts, count_gpus())
         command, environment = build_command(options, program, placement, mpiexec, flavour)
+        _check_program(options, program)
     except LaunchError as error:
         sys.stderr.write(f"tarantella: error: {error}\n")
         return 2
@@ -80,7 +93,8 @@ def main(argv=None):
         device = "GPU" if placement.use_gpu else "CPU"
         print(f"ranks: {placement.ranks} ({placement.ranks_per_node} per node on {where}, {device})")
         return 0
-    return _run(command, environment)
+    ranks_announcing = placement.ranks if _RANK_ENTRY in command else 0
+    return _run(command, environment, ranks_announcing, placement.hosts, config.start_timeout_s())
 
 
 # -- the command line ------------------------------------------------------------------------
@@ -133,7 +147,12 @@ def _parse(argv):
     parser.add_argument("--dry-run", action="store_true",
                         help="print the command and environment that would run, and exit")
     parser.add_argument("--version", action="version", version=f"tarantella {__version__}")
-    options = parser.parse_args(own)
+    options, unknown = parser.parse_known_args(own)
+    if unknown:
+        if "--" not in argv and not unknown[0].startswith("-"):
+            parser.error(f"put the program after '--': tarantella {shlex.join(own[:len(own) - len(unknown)])}"
+                         f"{' ' if len(own) > len(unknown) else ''}-- {shlex.join(unknown)}")
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     for assignment in options.variables:
         if "=" not in assignment or assignment.startswith("="):
             parser.error(f"-x expects VAR=VALUE, got {assignment!r}")
@@ -142,6 +161,14 @@ def _parse(argv):
     if not program:
         parser.error("name the program after '--', e.g. tarantella -n 2 -- train.py")
     return options, program
+
+
+def _check_program(options, program):
+    """A missing script is reported once here, not as a traceback on every rank."""
+    runs_python_file = program[0].endswith(".py") and options.python_interpreter != ""
+    if runs_python_file and not options.dry_run and not os.path.isfile(program[0]):
+        raise LaunchError(f"the program {program[0]!r} does not exist (in {os.getcwd()}). Name the script to "
+                          "run after '--', e.g. tarantella -n 2 -- train.py.")
 
 
 def _positive_int(text):
@@ -363,16 +390,21 @@ def _rank_command(options, program):
     else:
         interpreter = [sys.executable] if program[0].endswith(".py") else []
     if interpreter and program[0].endswith(".py"):
-        # mpi4py's runner turns an uncaught exception or sys.exit(non-zero) on one rank into
-        # MPI_Abort; otherwise that rank would wait in MPI_Finalize and the job would hang.
-        return interpreter + ["-m", "mpi4py"] + program
+        # Like mpi4py's runner, it turns an uncaught exception or sys.exit(non-zero) on one rank
+        # into MPI_Abort (otherwise that rank would wait in MPI_Finalize and the job would hang),
+        # and it tells this command how the rank started and ended.
+        return interpreter + [_RANK_ENTRY] + program
     return interpreter + program
 
 
 def _find_mpiexec():
     configured = os.environ.get("TNT_MPIEXEC")
     if configured:
-        return shlex.split(configured)
+        command = shlex.split(configured)
+        if not shutil.which(command[0]):
+            raise LaunchError(f"TNT_MPIEXEC={configured!r} names {command[0]!r}, which is not an executable "
+                              "program (nor on PATH). Fix TNT_MPIEXEC, or unset it to use mpiexec.")
+        return command
     # The `mpich` wheel installs mpiexec beside the interpreter, which need not be on PATH.
     beside_python = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     if os.access(beside_python, os.X_OK):
@@ -402,34 +434,93 @@ def _mpi_flavour(mpiexec):
 
 # -- running and failures ----------------------------------------------------------------------
 
-def _run(command, environment):
+def _run(command, environment, ranks, hosts, start_timeout_s):
+    """Runs the MPI launcher; `ranks` is how many ranks announce their start (0: none do)."""
     env = dict(os.environ)
     env.update(environment)
-    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # Its own process group: the command stops it and all it started (ssh included) at once.
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             start_new_session=True, preexec_fn=_end_with_parent)
 
     interrupted = []
 
     def forward(signum, _frame):
         interrupted.append(signum)
-        child.send_signal(signum)  # the MPI launcher stops every rank on every host
+        # SIGTERM, not SIGINT: each rank would print a KeyboardInterrupt traceback. The MPI
+        # launcher stops every rank on every host.
+        _signal_quietly(child.pid, signal.SIGTERM)
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, forward)
-    monitor = _OutputMonitor()
-    pumps = [threading.Thread(target=monitor.pass_on_stdout, args=(child.stdout,)),
-             threading.Thread(target=monitor.pass_on_stderr, args=(child.stderr,))]
+    monitor = _OutputMonitor(hosts, quiet_tensorflow=not config.tensorflow_startup_logs())
+    pumps = [threading.Thread(target=monitor.pass_on_stdout, args=(child.stdout,), daemon=True),
+             threading.Thread(target=monitor.pass_on_stderr, args=(child.stderr,), daemon=True)]
     for pump in pumps:
         pump.start()
-    status = child.wait()
+    started_at = time.monotonic()
+    stopped_because = None
+    while True:
+        try:
+            status = child.wait(timeout=0.2)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if interrupted or stopped_because:
+            continue
+        now = time.monotonic()
+        if ranks and len(monitor.started) < ranks and now - started_at > start_timeout_s:
+            stopped_because = monitor.start_failure(ranks, start_timeout_s)
+        elif monitor.failed and now - monitor.failed[0][-1] > _FAILURE_GRACE_S:
+            stopped_because = "failure"  # e.g. a rank failed before MPI started: the others wait in MPI
+        if stopped_because:
+            _stop(child)
     for pump in pumps:
-        pump.join()
+        pump.join(timeout=5)
     if interrupted:
-        sys.stderr.write(f"tarantella: stopped every rank on {signal.Signals(interrupted[0]).name}.\n")
-        return 128 + interrupted[0]
-    if status == 0:
-        return 0
-    code = 128 - status if status < 0 else status
-    sys.stderr.write(f"tarantella: the job failed (exit status {code}): {monitor.failure()}\n")
+        return _report(f"stopped every rank on {signal.Signals(interrupted[0]).name}.", 128 + interrupted[0])
+    if stopped_because and stopped_because != "failure":
+        return _report(f"the job failed (exit status 1): {stopped_because}", 1)
+    if status == 0 and not stopped_because:
+        early = monitor.ranks_that_left_early()
+        if not early:
+            return 0
+        return _report(f"the job failed (exit status 1): {early}", 1)
+    code = 1 if stopped_because or status == 0 else 128 - status if status < 0 else status
+    return _report(f"the job failed (exit status {code}): {monitor.failure()}", code)
+
+
+def _end_with_parent():
+    """In the MPI launcher's process: it gets SIGTERM (and stops the ranks) should the command die."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG, Linux only
+    except (OSError, AttributeError):
+        pass
+
+
+def _signal_quietly(pid, signum, group=False):
+    try:
+        (os.killpg if group else os.kill)(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop(child):
+    """Stops the MPI launcher, then whatever of its process group still runs."""
+    _signal_quietly(child.pid, signal.SIGTERM)
+    try:
+        child.wait(timeout=_STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_quietly(child.pid, signal.SIGKILL, group=True)
+
+
+def _report(message, code):
+    try:
+        sys.stderr.write(f"tarantella: {message}\n")
+        sys.stderr.flush()
+    except (BrokenPipeError, ValueError):
+        pass
     return code
 
 
@@ -438,41 +529,119 @@ class _OutputMonitor:
 
     _KEPT_CHARACTERS = 1 << 16
 
-    def __init__(self):
+    def __init__(self, hosts_expected=(), quiet_tensorflow=True):
+        self.hosts_expected = hosts_expected
+        self.quiet_tensorflow = quiet_tensorflow
         self.hosts = {}  # rank -> host
         self.ranks_by_pid = {}  # pid -> {host: rank}
+        self.started = {}  # rank -> host, from the rank's first line
+        self.finished = set()
+        self.failed = []  # (rank, host, how, when)
+        self.ended_at = {}  # rank -> when its process ended (ranks on this host)
         self.recent = ""
         self._lock = threading.Lock()
+        self._broken_streams = set()
 
     def _keep(self, text):
         with self._lock:
             self.recent = (self.recent + text)[-self._KEPT_CHARACTERS:]
 
+    def _write(self, stream, data):
+        """Writes on; a reader that went away (`| head`) must not stop the job or its output."""
+        if stream in self._broken_streams:
+            return
+        try:
+            stream.buffer.write(data)
+            stream.buffer.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            self._broken_streams.add(stream)
+            try:  # Python's own flush at exit would complain about the closed pipe again
+                os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+            except (OSError, ValueError):
+                pass
+
     def pass_on_stdout(self, stream):
         # Raw chunks, not lines: progress bars redraw with '\r' and must appear as they come.
         while chunk := os.read(stream.fileno(), 1 << 16):
-            sys.stdout.buffer.write(chunk)
-            sys.stdout.buffer.flush()
+            self._write(sys.stdout, chunk)
             self._keep(chunk.decode(errors="replace"))
 
     def pass_on_stderr(self, stream):
         for line in stream:
             text = line.decode(errors="replace")
             if text.startswith(RANK_ANNOUNCEMENT):
-                rank, host, pid = text[len(RANK_ANNOUNCEMENT):].split()
-                self.hosts[int(rank)] = host
-                self.ranks_by_pid.setdefault(pid, {})[host] = int(rank)
+                self._note(text[len(RANK_ANNOUNCEMENT):].split())
                 continue
-            sys.stderr.buffer.write(line)
-            sys.stderr.buffer.flush()
+            if self.quiet_tensorflow and (_TENSORFLOW_INFO_LINE.match(text) or text.startswith(
+                    (_ABSL_BANNER, _CPU_FEATURES_CONTINUATION))):
+                continue
+            self._write(sys.stderr, line)
             self._keep(text)
+
+    def _note(self, words):
+        if words[0] in (STARTED, FINISHED, FAILED):
+            event, rank, host, pid, *how = words
+            if not rank.isdigit():
+                return
+            rank = int(rank)
+            if event == STARTED:
+                self.started[rank] = host
+                if host == socket.gethostname():
+                    threading.Thread(target=self._watch, args=(rank, int(pid)), daemon=True).start()
+            elif event == FINISHED:
+                self.finished.add(rank)
+            else:
+                self.failed.append((rank, host, how[0] if how else "an error", time.monotonic()))
+            return
+        rank, host, pid = words  # from tarantella.init(): the rank in MPI
+        self.hosts[int(rank)] = host
+        self.ranks_by_pid.setdefault(pid, {})[host] = int(rank)
+
+    def _watch(self, rank, pid):
+        """Notes when a rank's process on this host ends: the first to end is the one that left."""
+        try:
+            handle = os.pidfd_open(pid)
+        except (OSError, AttributeError):
+            return
+        select.select([handle], [], [])
+        self.ended_at[rank] = time.monotonic()
+        os.close(handle)
+
+    def start_failure(self, ranks, timeout_s):
+        joined = set(self.started.values())
+        missing = [host for host in self.hosts_expected if host not in joined and
+                   host.split(".")[0] not in {name.split(".")[0] for name in joined}]
+        where = f"; hosts that never joined: {', '.join(missing)}" if missing else ""
+        return (f"only {len(self.started)} of {ranks} ranks started within {timeout_s:g} s "
+                f"(TNT_START_TIMEOUT){where}. Check that `ssh HOST true` works for every host without a "
+                "password, and that the hosts can reach each other.")
+
+    def ranks_that_left_early(self):
+        """A description of the ranks that ended with status 0 without finishing the program."""
+        gone = sorted(set(self.started) - self.finished)
+        if not gone:
+            return None
+        first = min(gone, key=lambda rank: self.ended_at.get(rank, float("inf")))
+        if first in self.ended_at:
+            gone = [first]
+        listing = ", ".join(f"rank {rank} on host {self.started[rank]}" for rank in gone)
+        return (f"{listing} left early: it ended with status 0 without finishing the program (e.g. "
+                "os._exit), and the MPI launcher stopped the other ranks. Their unfinished work (saves, "
+                "output) is lost. End a rank by returning from the program or with sys.exit.")
 
     def failure(self):
         """Which rank failed, on which host, and how, as far as the output tells."""
         text = self.recent
-        raised = re.search(r"tarantella: rank (\d+) on host (\S+) failed with (\w+)", text)
+        raised = re.search(r"tarantella: rank (\d+) on host (\S+) failed with (\w+)(?:: (.*?))?; stopping all "
+                           r"ranks\.", text)
         if raised:
-            return f"rank {raised.group(1)} on host {raised.group(2)} raised {raised.group(3)}."
+            rank, host, error, summary = raised.groups()
+            return f"rank {rank} on host {host} raised {error}" + (f": {summary}." if summary else ".")
+        if self.failed:
+            rank, host, how, _ = self.failed[0]
+            if how.startswith("exit-status-"):
+                return f"rank {rank} on host {host} exited with status {how[len('exit-status-'):]}."
+            return f"rank {rank} on host {host} raised {how}."
         aborted = re.search(r"Abort\((\d+)\) on node \d+ \(rank (\d+) in comm 0\)", text)
         if aborted:
             rank = int(aborted.group(2))

@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from tarantella import callbacks as callbacks_module
-from tarantella import communication, config, data, distributed_step, gradients, saving
+from tarantella import agreement, communication, config, data, distributed_step, gradients, saving
 
 logger = communication.logger
 
@@ -418,6 +418,7 @@ class Model(keras.Model):
         for optimizer in self._step.optimizers():
             if optimizer.built:
                 variables += list(optimizer.variables)
+        agreement.check_same_compile_settings(self._comm, self)
         _check_same_variables_everywhere(self._comm, variables)
         _broadcast_from_master(self._comm, variables, "the broadcast of the master's weights")
         self._weights_synced = True

@@ -9,6 +9,7 @@ reads them with `keras.models.load_model`.
 
 import contextlib
 import os
+import socket
 import uuid
 
 import keras
@@ -36,15 +37,27 @@ def write_whole(filepath, write, overwrite=True, save_all_devices=False):
     if "://" in path:
         raise ValueError(f"tarantella saves to local or shared file systems; {path!r} is a remote URL. "
                          "Save to a local path, then copy the file.")
+    writes_here = save_all_devices or _master_alone or comm.rank == communication.MASTER_RANK
+    together = comm.size > 1 and not _master_alone
+    if not overwrite:
+        # Decided before anyone writes: a rank looking after the master's rename would see
+        # the new file and fail.
+        exists = writes_here and os.path.exists(path)
+        if together:
+            exists = any(comm.allgather(exists, f"the check whether {path} exists",
+                                        agree_on="the check whether a saved file exists"))
+        if exists:
+            raise FileExistsError(f"{path} exists and overwrite=False. Pass overwrite=True to replace it, "
+                                  "or choose another path.")
     error = None
-    if save_all_devices or _master_alone or comm.rank == communication.MASTER_RANK:
+    if writes_here:
         try:
-            _write_then_rename(path, write, overwrite)
+            _write_then_rename(path, write)
         except Exception as exc:  # reported to every rank below, then raised here
             error = exc
-    if comm.size > 1 and not _master_alone:
+    if together:
         reports = comm.allgather(None if error is None else f"{type(error).__name__}: {error}",
-                                 f"the save of {path}")
+                                 f"the save of {path}", agree_on="the save of a file")
         failed = [(rank, report) for rank, report in enumerate(reports) if report]
         if failed and error is None:
             rank, report = failed[0]
@@ -53,16 +66,52 @@ def write_whole(filepath, write, overwrite=True, save_all_devices=False):
         raise error
 
 
-def _write_then_rename(path, write, overwrite):
-    if not overwrite and os.path.exists(path):
-        raise FileExistsError(f"{path} exists and overwrite=False. Pass overwrite=True to replace it, "
-                              "or choose another path.")
+_PARTIAL_PREFIX = ".tnt-partial-"
+
+
+def _write_then_rename(path, write):
     folder, name = os.path.split(os.path.abspath(path))
-    # The partial file keeps the target's name as its suffix: Keras checks the extension.
-    partial = os.path.join(folder, f".tnt-partial-{uuid.uuid4().hex[:12]}-{name}")
+    _remove_abandoned_partial_files(folder, name)
+    # The partial file keeps the target's name as its suffix (Keras checks the extension), and
+    # the writer's host and process, so that a later save can tell an abandoned one.
+    partial = os.path.join(folder, f"{_PARTIAL_PREFIX}{socket.gethostname()}-{os.getpid()}-"
+                                   f"{uuid.uuid4().hex[:12]}-{name}")
     try:
         write(partial)
         os.replace(partial, path)
+    except Exception as error:
+        renamed = _naming_the_target(error, partial, path)
+        if renamed is error:
+            raise
+        raise renamed from None
     finally:
         if os.path.exists(partial):
             os.remove(partial)
+
+
+def _remove_abandoned_partial_files(folder, name):
+    """Partial files of `name` whose writer on this host is gone (killed during a save)."""
+    host = socket.gethostname()
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return  # the write itself will report the folder
+    for entry in entries:
+        if not (entry.startswith(f"{_PARTIAL_PREFIX}{host}-") and entry.endswith(f"-{name}")):
+            continue
+        pid = entry[len(_PARTIAL_PREFIX) + len(host) + 1:].split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, entry))
+
+
+def _naming_the_target(error, partial, path):
+    """The same error, its message naming the file the user asked for, not the hidden one."""
+    if partial not in str(error):
+        return error
+    if isinstance(error, OSError):
+        return type(error)(error.errno, error.strerror, path)
+    try:
+        return type(error)(str(error).replace(partial, path))
+    except Exception:  # an error type that wants other arguments keeps its message
+        return error

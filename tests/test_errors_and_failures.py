@@ -37,9 +37,22 @@ def test_each_bad_input_gets_the_same_clear_error_on_every_rank():
     ("raise-on-rank-1", 1, "rank 1 on host {host} raised RuntimeError"),
     ("kill-rank-1-mid-epoch", 9, r"rank 1 on host {host} \(pid \d+\) ended: Killed \(signal 9\)"),
     ("exit-3-on-rank-1", 3, "rank 1 on host {host} exited with status 3"),
+    # Status 0 in the middle of training is a rank lost, not a success.
+    ("exit-0-on-rank-1", 1, r"rank 0 on host {host} raised RankLeftError: rank 1 on host {host} left early: it "
+                            r"finished the program after collective #\d+ \(the gradient allreduce of step 6\) "
+                            r"while rank 0 waited for it in the allreduce of batch sizes, losses and metrics "
+                            r"\(in fit\) \(#\d+\)"),
+    ("os-exit-0-on-rank-1", 1, r"rank 1 on host {host} left early: it ended with status 0 without finishing the "
+                               r"program \(e.g. os._exit\), and the MPI launcher stopped the other ranks. .*"),
+    # A stopped rank: the one that waited names it, once, after a stall warning, within the timeout.
+    ("stop-rank-1", 1, r"rank 0 on host {host} raised CollectiveTimeoutError: rank\(s\) 1 did not arrive at the "
+                       r"allreduce of batch sizes, losses and metrics \(in fit\) within 4 s \(rank 1 did not answer \(stopped, "
+                       r"or stuck outside Python\); it took part in collective #\d+ \(the gradient allreduce of "
+                       r"step 6\)\)"),
 ])
 def test_a_failing_rank_stops_the_whole_job_within_10_s_naming_rank_and_host(scenario, status, how):
-    process = launch(2, SCENARIOS, scenario, timeout=120)
+    process = launch(2, SCENARIOS, scenario, options=["-x", "TNT_COLLECTIVE_TIMEOUT=4", "TNT_STALL_WARNING=1"],
+                     timeout=120)
     ended = time.time()
     failed_at = float(re.search(r"rank 1: failing at ([\d.]+)", process.stderr).group(1))
     assert process.returncode == status, process.stderr
@@ -47,6 +60,11 @@ def test_a_failing_rank_stops_the_whole_job_within_10_s_naming_rank_and_host(sce
     assert re.fullmatch(f"tarantella: the job failed \\(exit status {status}\\): "
                         + how.format(host=re.escape(socket.gethostname())) + r"\.", last_line), last_line
     assert ended - failed_at < 10, f"the job ended {ended - failed_at:.1f} s after rank 1 failed"
+    assert "UnknownError" not in process.stderr, process.stderr  # TensorFlow's wrapper is not shown
+    if scenario == "stop-rank-1":
+        assert process.stderr.count("did not complete within 4 s") == 1, process.stderr
+        assert re.search(r"tarantella: WARNING: rank 0 has waited 1 s in the allreduce of batch sizes, losses and "
+                         r"metrics \(in fit\) \(collective #\d+\) for 1 rank\(s\): rank 1 did not answer", process.stderr)
 
 
 def test_ctrl_c_stops_every_rank_and_leaves_no_process_behind():
@@ -91,12 +109,58 @@ def test_ranks_with_different_models_fail_at_the_first_broadcast_naming_the_diff
         in process.stderr
 
 
-def test_a_rank_waiting_for_a_collective_that_never_comes_times_out_naming_it():
+def test_ranks_with_different_optimizers_fail_at_the_first_broadcast_naming_the_difference():
+    process = launch(2, SCENARIOS, "different-optimizers", timeout=120)
+    assert process.returncode == 1
+    assert ("ValueError: The compiled training step differs between ranks (ranks [1] differ from the master): "
+            "compile['optimizer']['class_name'] is 'RMSprop' on rank 1 but 'SGD' on the master.") in process.stderr
+
+
+def test_a_save_called_on_the_master_only_fails_at_once_saying_to_call_it_everywhere(tmp_path):
     started = time.monotonic()
-    process = launch(2, SCENARIOS, "uneven-steps", options=["-x", "TNT_COLLECTIVE_TIMEOUT=5"], timeout=120)
-    assert process.returncode != 0
-    assert "rank 1: the allreduce of batch sizes, losses and metrics did not complete within 5 s" in process.stderr
+    target = tmp_path / "model.keras"
+    process = launch(2, SCENARIOS, "master-only-save", target, options=["-x", "TNT_COLLECTIVE_TIMEOUT=60"],
+                     timeout=120)
+    assert process.returncode == 1
+    assert re.search(r"raised RankLeftError: rank 1 on host \S+ left early: it finished the program after "
+                     rf"collective #\d+ \(.*\) while rank 0 waited for it in the save of {re.escape(str(target))} "
+                     r"\(in save\) \(#\d+\)\.$", process.stderr.strip().splitlines()[-1]), process.stderr
+    assert "call save on every rank; tarantella writes on the master only." in process.stderr
+    assert time.monotonic() - started < 50, "it did not wait for the collective timeout"
+    assert target.stat().st_size > 0  # the master wrote the file before it needed the others
+
+
+def test_saves_clean_abandoned_partial_files_agree_on_overwrite_and_name_the_target(tmp_path):
+    process = launch(2, SCENARIOS, "saves", tmp_path, timeout=120)
+    assert_ok(process)
+    assert "rank 0: abandoned partial file left: False" in process.stdout, process.stdout
+    for rank in (0, 1):
+        assert f"rank {rank}: overwrite=False on new files: ['saved']" in process.stdout, process.stdout
+        missing = re.search(rf"rank {rank}: save into a missing folder: (.*)", process.stdout).group(1)
+        assert str(tmp_path / "missing" / "m.keras") in missing and ".tnt-partial" not in missing, missing
+
+
+def test_a_rank_left_waiting_in_evaluate_learns_at_once_that_the_other_finished():
+    started = time.monotonic()
+    process = launch(2, SCENARIOS, "uneven-steps", timeout=120)  # no short timeout needed
+    assert process.returncode == 1
+    assert re.search(r"rank 1 on host \S+ raised RankLeftError: rank 0 on host \S+ left early: it finished the "
+                     r"program after collective #\d+ \(.*\) while rank 1 waited for it in .* \(in evaluate\)",
+                     process.stderr.strip().splitlines()[-1]), process.stderr
     assert time.monotonic() - started < 60
+
+
+def test_ranks_in_different_collectives_get_an_error_naming_both_operations():
+    process = launch(2, SCENARIOS, "evaluate-while-fit", timeout=120)
+    assert process.returncode == 1
+    both = ("the ranks entered different collectives: rank 0: the allreduce of batch sizes, losses and metrics "
+            "(in evaluate); rank 1: the gradient allreduce of step 1 (in fit)")
+    assert process.stderr.strip().splitlines()[-1].endswith(f"raised CollectiveMismatchError: {both}."), \
+        process.stderr
+    for rank in (0, 1):
+        assert re.search(f"CollectiveMismatchError: rank {rank}: " + re.escape(both).replace(
+            ":", r" \(collective #\d+\):", 1), process.stderr), process.stderr
+    assert "Message truncated" not in process.stderr
 
 
 def test_a_fusion_threshold_that_is_not_a_number_is_refused():

@@ -10,6 +10,7 @@ import time
 from conftest import REPO, WORKERS, assert_ok, launch, launcher_command, quiet_env, run_python
 
 SCENARIOS = WORKERS / "scenarios.py"
+RANK_ENTRY = str(REPO / "tarantella" / "rank_entry.py")
 
 
 def clean_env(**extra):
@@ -60,7 +61,7 @@ def test_dry_run_shows_the_exact_command_and_environment_in_order():
                      "train.py", "--epochs", "2")
     command = command_of(output)
     assert " -n 3 " in command
-    assert re.search(r"/python[\d.]* -m mpi4py train\.py --epochs 2$", command), command
+    assert re.search(r"/python[\d.]* \S+/tarantella/rank_entry\.py train\.py --epochs 2$", command), command
     assert "-genv TNT_FUSION_THRESHOLD 8" in command and "-genv A 'has space'" in command
     assert environment_of(output) == [
         "PYTHONUNBUFFERED=1", "KERAS_BACKEND=tensorflow", "TNT_FUSION_THRESHOLD=8", "TNT_OUTPUT_ON_ALL_DEVICES=true", "TNT_LOG_LEVEL=INFO",
@@ -87,7 +88,7 @@ def test_a_program_that_is_not_python_runs_as_it_is():
 def test_python_interpreter_wraps_the_program_and_an_empty_one_runs_it_directly():
     wrapped = command_of(dry_run("-n", "2", "--python-interpreter", "valgrind --leak-check=yes python3", "--",
                                  "train.py", "-v"))
-    assert wrapped.endswith(" TNT_ANNOUNCE_RANKS true valgrind --leak-check=yes python3 -m mpi4py train.py -v")
+    assert wrapped.endswith(" TNT_ANNOUNCE_RANKS true valgrind --leak-check=yes python3 " + RANK_ENTRY + " train.py -v")
     direct = command_of(dry_run("-n", "2", "--python-interpreter", "", "--", "./tool.py", "-v"))
     assert direct.endswith(" TNT_ANNOUNCE_RANKS true ./tool.py -v")
 
@@ -119,8 +120,34 @@ def test_malformed_options_are_refused():
                                (["--n-per-node", "x", "--", "t.py"], "expects a whole number of ranks >= 1"),
                                (["--log-level", "LOUD", "--", "t.py"], "invalid choice: 'LOUD'"),
                                (["--force", "--", "t.py"], "--force only goes with --cleanup"),
-                               (["-n", "2"], "name the program after '--'")]:
+                               (["-n", "2"], "name the program after '--'"),
+                               (["-n", "2", "train.py", "-v"], "put the program after '--': tarantella -n 2 -- "
+                                                               "train.py -v"),
+                               (["-n", "2", "--bogus", "--", "t.py"], "unrecognized arguments: --bogus")]:
         assert message in refused(*arguments)
+
+
+def test_a_missing_script_or_launcher_is_reported_once_before_any_rank_starts(tmp_path):
+    process = run_launcher("-n", "2", "--", str(tmp_path / "missing.py"))
+    assert process.returncode == 2
+    assert process.stderr == (f"tarantella: error: the program '{tmp_path / 'missing.py'}' does not exist (in "
+                              f"{os.getcwd()}). Name the script to run after '--', e.g. tarantella -n 2 -- "
+                              "train.py.\n")
+    script = tmp_path / "t.py"
+    script.write_text("print('never runs')\n")
+    process = run_launcher("-n", "2", "--", str(script), env=clean_env(TNT_MPIEXEC="/nowhere/mpiexec -v"))
+    assert process.returncode == 2
+    assert process.stderr == ("tarantella: error: TNT_MPIEXEC='/nowhere/mpiexec -v' names '/nowhere/mpiexec', "
+                              "which is not an executable program (nor on PATH). Fix TNT_MPIEXEC, or unset it to "
+                              "use mpiexec.\n")
+
+
+def test_only_tensorflows_own_tf_variables_are_forwarded():
+    env = clean_env(TF_CLI_CONFIG_FILE="/home/u/.terraformrc", TF_VAR_region="eu", TF_ENABLE_ONEDNN_OPTS="0",
+                    TF_FORCE_GPU_ALLOW_GROWTH="true", TF_XLA_FLAGS="--tf_xla_auto_jit=2")
+    environment = environment_of(dry_run("-n", "2", "--", "t.py", env=env))
+    assert [entry for entry in environment if entry.startswith("TF_")] == [
+        "TF_ENABLE_ONEDNN_OPTS=0", "TF_FORCE_GPU_ALLOW_GROWTH=true", "TF_XLA_FLAGS=--tf_xla_auto_jit=2"]
 
 
 # -- hosts: hostfile and Slurm -------------------------------------------------------------------
@@ -175,7 +202,7 @@ def test_srun_as_the_launcher_gets_tasks_nodes_and_variables_through_env(tmp_pat
     command = command_of(dry_run("-x", "DATA=/a,b", "--", "t.py", env=env))
     assert command.startswith(f"{srun} --ntasks=4 --ntasks-per-node=2 --kill-on-bad-exit=1 --nodes=2 "
                               "--nodelist=n1,n2 env PYTHONUNBUFFERED=1 ")
-    assert " DATA=/a,b " in command and command.endswith(" -m mpi4py t.py")
+    assert " DATA=/a,b " in command and command.endswith(f" {RANK_ENTRY} t.py")
 
 
 # -- devices -------------------------------------------------------------------------------------
@@ -303,6 +330,8 @@ def test_ranks_see_their_rank_size_and_the_x_variables():
     process = launch(3, SCENARIOS, "identity", "GREETING", "EMPTY",
                      options=["-x", "GREETING=hello world", "EMPTY="], timeout=120)
     assert_ok(process)
+    # TensorFlow's C++ start-up messages (oneDNN, absl's banner) are not shown by default
+    assert "oneDNN" not in process.stderr and "absl::InitializeLog" not in process.stderr, process.stderr
     for rank in range(3):
         assert f"rank {rank}: size 3 master 0 is_master {rank == 0}" in process.stdout
         assert f"rank {rank}: GREETING=hello world" in process.stdout

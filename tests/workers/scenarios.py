@@ -77,6 +77,64 @@ def exit_3_on_rank_1():
     train_until_rank_1_fails(lambda: sys.exit(3))
 
 
+def exit_0_on_rank_1():
+    train_until_rank_1_fails(lambda: sys.exit(0))
+
+
+def os_exit_0_on_rank_1():
+    train_until_rank_1_fails(lambda: os._exit(0))
+
+
+def stop_rank_1():
+    train_until_rank_1_fails(lambda: os.kill(os.getpid(), signal.SIGSTOP))
+
+
+def different_optimizers():
+    """SGD on rank 0, RMSprop on rank 1: the same variables, a different training step."""
+    model = tnt.Model(small_model())
+    model.compile("sgd" if tnt.get_rank() == 0 else "rmsprop", "sparse_categorical_crossentropy")
+    model.fit(dataset(), epochs=1, verbose=0)
+
+
+def master_only_save():
+    """The habit from Horovod: only the master calls save, after training."""
+    model = compiled()
+    model.fit(dataset(), epochs=1, verbose=0)
+    if tnt.is_master_rank():
+        model.save(sys.argv[2])
+
+
+def saves():
+    """Saving edge cases in one job: a partial file left by a killed save, overwrite=False with
+    every rank writing the same new file, a save into a missing folder."""
+    import socket
+    folder = sys.argv[2]
+    model = compiled()
+    abandoned = os.path.join(folder, f".tnt-partial-{socket.gethostname()}-999999999-0123456789ab-model.keras")
+    if tnt.is_master_rank():
+        open(abandoned, "w").close()
+    model.save(os.path.join(folder, "model.keras"))
+    report(f"abandoned partial file left: {os.path.exists(abandoned)}")
+    outcomes = set()
+    for attempt in range(10):
+        try:
+            model.save(os.path.join(folder, f"new-{attempt}.keras"), overwrite=False, tnt_save_all_devices=True)
+            outcomes.add("saved")
+        except Exception as error:
+            outcomes.add(f"{type(error).__name__}: {error}")
+    report(f"overwrite=False on new files: {sorted(outcomes)}")
+    report_errors({"save into a missing folder": lambda: model.save(os.path.join(folder, "missing", "m.keras"))})
+
+
+def evaluate_while_fit():
+    """Rank 0 evaluates while rank 1 trains: both must name the two operations."""
+    model = compiled()
+    if tnt.get_rank() == 0:
+        model.evaluate(dataset(), verbose=0)
+    else:
+        model.fit(dataset(), epochs=1, verbose=0)
+
+
 class ReportTraining(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if batch == 2:
@@ -219,6 +277,13 @@ SCENARIOS = {
     "raise-on-rank-1": raise_on_rank_1,
     "kill-rank-1-mid-epoch": kill_rank_1_mid_epoch,
     "exit-3-on-rank-1": exit_3_on_rank_1,
+    "exit-0-on-rank-1": exit_0_on_rank_1,
+    "os-exit-0-on-rank-1": os_exit_0_on_rank_1,
+    "stop-rank-1": stop_rank_1,
+    "evaluate-while-fit": evaluate_while_fit,
+    "different-optimizers": different_optimizers,
+    "master-only-save": master_only_save,
+    "saves": saves,
     "train-until-interrupted": train_until_interrupted,
     "log-messages": log_messages,
     "different-models": different_models,

@@ -1,0 +1,38 @@
+"""Ranks that use MPI but not tarantella (nor TensorFlow), so they start in a fraction of a
+second: for the launcher's own fault handling. `plain_ranks.py NAME` runs one."""
+
+import os
+import sys
+import time
+
+
+def fail_before_mpi():
+    """Rank 1 fails before MPI starts (a missing data file); rank 0 waits in MPI's start-up."""
+    if os.environ.get("PMI_RANK") == "1":
+        sys.stderr.write(f"rank 1: failing at {time.time():.3f}\n")
+        sys.stderr.flush()
+        open("/nonexistent/tarantella-test-data.npz")
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Barrier()
+
+
+def chatter():
+    """Lots of output from every rank, then both finish together."""
+    from mpi4py import MPI
+    for number in range(20000):
+        sys.stdout.write(f"rank {MPI.COMM_WORLD.Get_rank()} line {number} {'x' * 60}\n")
+    sys.stdout.flush()
+    MPI.COMM_WORLD.Barrier()
+    sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()}: finished\n")
+
+
+def run_forever():
+    from mpi4py import MPI
+    sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()}: running\n")
+    sys.stderr.flush()
+    while True:
+        time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    {"fail-before-mpi": fail_before_mpi, "chatter": chatter, "run-forever": run_forever}[sys.argv[1]]()
