@@ -512,14 +512,27 @@ def global_batches(method, x, y=None, sample_weight=None, batch_size=None, micro
         raise ValueError(
             f"batch_size={batch_size} is the global batch, but tnt_micro_batch_size={micro_batch_size} "
             f"x {ranks} ranks = {wanted}. Pass one of the two.")
+    _check_array_lengths(method, x, y, sample_weight)
     samples = keras.utils.pack_x_y_sample_weight(*(_as_tuples(a) for a in (x, y, sample_weight)))
     dataset = tf.data.Dataset.from_tensor_slices(samples)
-    if shuffle is True:  # Keras draws an unseeded order; ours is seeded, so all ranks draw alike
+    # Keras draws an unseeded order; ours is seeded, so all ranks draw alike. No samples: nothing
+    # to shuffle (a shuffle buffer must hold one), and Keras' fit then runs no step.
+    if shuffle is True and int(dataset.cardinality()) > 0:
         dataset = dataset.shuffle(int(dataset.cardinality()), seed=config.DEFAULT_SHUFFLE_SEED)
     dataset = dataset.batch(wanted or batch_size or 32)
-    if shuffle == "batch":
+    if shuffle == "batch" and int(dataset.cardinality()) > 0:
         dataset = dataset.shuffle(int(dataset.cardinality()), seed=config.DEFAULT_SHUFFLE_SEED)
     return dataset
+
+
+def _check_array_lengths(method, x, y, sample_weight):
+    """Keras' check on array inputs: every array holds the same number of samples."""
+    lengths = {name: sorted({len(a) for a in tf.nest.flatten(_as_tuples(arrays))})
+               for name, arrays in (("x", x), ("y", y), ("sample_weight", sample_weight)) if arrays is not None}
+    if len({n for sizes in lengths.values() for n in sizes}) > 1:
+        sizes = " ".join(f"'{name}' sizes: {', '.join(map(str, found))}" for name, found in lengths.items())
+        raise ValueError(f"tnt.Model.{method}: data cardinality is ambiguous: the arrays hold different numbers "
+                         f"of samples ({sizes}). Make sure all arrays contain the same number of samples.")
 
 
 def split_for_validation(x, y, sample_weight, fraction):

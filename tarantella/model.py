@@ -193,6 +193,9 @@ class Model(keras.Model):
                                  "batched with the global batch size) instead.")
             (x, y, sample_weight), validation_data = data.split_for_validation(x, y, sample_weight,
                                                                               validation_split)
+        # Keras warns that shuffle=True does nothing for a dataset; for arrays and PyDatasets,
+        # which tarantella turns into datasets and shuffles itself, it would warn where Keras does not.
+        keras_shuffle = shuffle if isinstance(x, tf.data.Dataset) else False
         x = self._input("fit", x, y, sample_weight, batch_size, tnt_micro_batch_size, tnt_distribute_dataset,
                         shuffle)
         if validation_data is not None:
@@ -214,7 +217,7 @@ class Model(keras.Model):
                 x, epochs=epochs, verbose=self._verbosity(verbose), callbacks=callbacks,
                 validation_data=validation_data, class_weight=class_weight, initial_epoch=initial_epoch,
                 steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
-                validation_freq=validation_freq)
+                validation_freq=validation_freq, shuffle=keras_shuffle)
         self._use_masters_statistics()
         return history
 

@@ -49,3 +49,13 @@ def test_user_prints_appear_from_every_rank_and_keras_messages_once():
     for rank in range(2):
         assert f"user print from rank {rank} epoch 0" in process.stdout, process.stdout
     assert process.stdout.count("early stopping") == 1, process.stdout
+
+
+def test_numpy_inputs_warn_and_fail_as_keras_does():
+    process = launch(2, SCENARIOS, "numpy-input-edges", timeout=300)
+    assert_ok(process)
+    for rank in range(2):
+        assert f"rank {rank}: warnings []" in process.stdout, process.stdout
+        assert f"rank {rank}: empty fit history {{}}" in process.stdout, process.stdout
+        assert f"rank {rank}: mismatch tnt.Model.fit: data cardinality is ambiguous" in process.stdout
+        assert "'x' sizes: 10 'y' sizes: 9" in process.stdout

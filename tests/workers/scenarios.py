@@ -270,7 +270,27 @@ def user_prints_in_callbacks():
     model.fit(dataset(), epochs=3, verbose=0, callbacks=[printer, stopper])
 
 
+def numpy_input_edges():
+    """NumPy inputs: no warning Keras would not print, empty arrays as Keras, a length mismatch named."""
+    import warnings
+    model = compiled()
+    x, y = np.ones((10, 6), "float32"), np.zeros(10, "int64")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    report(f"warnings {[str(w.message)[:50] for w in caught if 'shuffle' in str(w.message)]}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        empty = model.fit(x[:0], y[:0], epochs=1, verbose=0)
+    report(f"empty fit history {empty.history}")
+    try:
+        model.fit(x, y[:9], verbose=0)
+    except ValueError as error:
+        report(f"mismatch {error}")
+
+
 SCENARIOS = {
+    "numpy-input-edges": numpy_input_edges,
     "on-batch-methods": on_batch_methods,
     "user-prints": user_prints_in_callbacks,
     "identity": identity,
