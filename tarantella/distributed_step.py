@@ -110,7 +110,7 @@ class DistributedStep:
         parts = [tf.reshape(tf.cast(inc, tf.float64), [-1]) * w for inc, w in zip(increments, weights)]
         parts += [tf.reshape(tf.cast(value, tf.float64), [-1]) * step.share for value in numbers.values()]
         summed = self._allreduce(tf.where(has_samples, tf.concat(parts, 0), 0.0) if parts else
-                                 tf.zeros([0], tf.float64), "the allreduce of metrics")
+                                 tf.zeros([0], tf.float64), "the allreduce of losses and metrics")
         pieces = iter(tf.split(summed, [int(np.prod(p.shape)) for p in parts]) if parts else [])
         for variable, before in zip(variables, saved):
             variable.assign(before + tf.cast(tf.reshape(next(pieces), variable.shape), variable.dtype))
