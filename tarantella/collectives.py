@@ -177,7 +177,9 @@ def _collective(name, values, leaves, operation, output_shape, detail, rows_may_
             _check_same_layout(name, layouts, rows_may_differ)
             return operation(mpi_comm, arrays, layouts)
 
-        return comm.run(f"tnt.{name}", run)
+        # The ranks agree on "a public collective"; which one, its arguments and shapes are compared
+        # by _check_same_layout, whose error names them and leaves the ranks able to go on.
+        return comm.run(f"tnt.{name}", run, agree_on="a public collective (tnt.allreduce, ...)")
 
     if tf.executing_eagerly():
         results = job(*[leaves[i] if isinstance(leaves[i], np.ndarray) else leaves[i].value.numpy()
