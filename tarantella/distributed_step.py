@@ -91,8 +91,8 @@ class DistributedStep:
             variable.assign(tf.zeros(variable.shape, variable.dtype))
         with step.tracing(metrics, self.optimizers(), getattr(self._model, "_compile_loss", None)):
             logs = step_function(data)
-        created = [v for m in _unique(self._model.metrics) for v in m.variables if id(v) not in
-                   {id(known) for known in variables}]
+        known = {id(v) for v in variables}
+        created = [v for m in _unique(self._model.metrics) for v in m.variables if id(v) not in known]
         if created:
             raise RuntimeError(
                 f"The step created metric state while it ran ({created[0].path}), so tarantella could not "

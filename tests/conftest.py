@@ -3,6 +3,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -32,6 +33,12 @@ def run_python(script, *args, env=None, timeout=600):
     """Runs a script with plain `python`, no launcher."""
     return subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=quiet_env(**(env or {})))
+
+
+def load_npz(path):
+    """A worker's saved results as a dict of arrays."""
+    with np.load(path) as stored:
+        return {key: stored[key] for key in stored.files}
 
 
 def assert_ok(process):

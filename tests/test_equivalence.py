@@ -9,7 +9,7 @@ LeNet-5 trains with momentum SGD: with Adam, serial Keras itself moves by 3e-4 b
 import numpy as np
 import pytest
 
-from conftest import WORKERS, assert_ok, launch, run_python
+from conftest import WORKERS, assert_ok, launch, load_npz, run_python
 from workers.train_cases import CASES
 
 WORKER = WORKERS / "train_cases.py"
@@ -23,19 +23,14 @@ def serial_dir(scratch):
     return out
 
 
-def load(path):
-    with np.load(path) as stored:
-        return {key: stored[key] for key in stored.files}
-
-
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_ranks_train_like_serial_keras(ranks, serial_dir, scratch):
     out = scratch / f"ranks{ranks}"
     out.mkdir()
     assert_ok(launch(ranks, WORKER, "--mode", "tnt", "--out", out))
     for case in CASES:
-        serial = load(serial_dir / f"{case}.rank0.npz")
-        per_rank = [load(out / f"{case}.rank{rank}.npz") for rank in range(ranks)]
+        serial = load_npz(serial_dir / f"{case}.rank0.npz")
+        per_rank = [load_npz(out / f"{case}.rank{rank}.npz") for rank in range(ranks)]
         for rank, result in enumerate(per_rank):
             assert sorted(result) == sorted(serial), case
             for key in serial:

@@ -8,7 +8,7 @@ evaluation rtol 1e-5, predictions rtol 1e-5 with atol 1e-6; every rank must end 
 import numpy as np
 import pytest
 
-from conftest import WORKERS, assert_ok, launch, run_python
+from conftest import WORKERS, assert_ok, launch, load_npz, run_python
 from workers.real_models import CASES
 
 WORKER = WORKERS / "real_models.py"
@@ -22,11 +22,6 @@ def serial_dir(scratch):
     return out
 
 
-def load(path):
-    with np.load(path) as stored:
-        return {key: stored[key] for key in stored.files}
-
-
 @pytest.mark.parametrize("ranks", [2, 3])  # one rank runs plain Keras: the examples' tests cover it
 def test_real_models_and_custom_steps_train_like_serial_keras(ranks, serial_dir, scratch):
     out = scratch / f"real-ranks{ranks}"
@@ -34,8 +29,8 @@ def test_real_models_and_custom_steps_train_like_serial_keras(ranks, serial_dir,
     assert_ok(launch(ranks, WORKER, "--mode", "tnt", "--out", out, timeout=900))
     failures = []
     for case in CASES:
-        serial = load(serial_dir / f"{case}.rank0.npz")
-        per_rank = [load(out / f"{case}.rank{rank}.npz") for rank in range(ranks)]
+        serial = load_npz(serial_dir / f"{case}.rank0.npz")
+        per_rank = [load_npz(out / f"{case}.rank{rank}.npz") for rank in range(ranks)]
         for rank, result in enumerate(per_rank):
             if sorted(result) != sorted(serial):
                 failures.append(f"{case} rank {rank}: keys {sorted(result)} != serial {sorted(serial)}")

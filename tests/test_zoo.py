@@ -16,7 +16,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import WORKERS, launch, run_python
+from conftest import WORKERS, launch, load_npz, run_python
 from workers.zoo import CASES
 
 WORKER = WORKERS / "zoo.py"
@@ -77,16 +77,11 @@ def zoo_runs(scratch):
     return get
 
 
-def load(path):
-    with np.load(path) as stored:
-        return {key: stored[key] for key in stored.files}
-
-
 def result(out, case, rank):
     error = out / f"{case}.rank{rank}.error"
     if error.exists():
         pytest.fail(f"{case} on rank {rank} raised: {error.read_text()}", pytrace=False)
-    return load(out / f"{case}.rank{rank}.npz")
+    return load_npz(out / f"{case}.rank{rank}.npz")
 
 
 # The default run: one case of each kind of failure the zoo has found, within the suite's time
