@@ -27,6 +27,7 @@ Compare numbers within one invocation only, on a quiet machine.
 
     python benchmarks/scaling.py [--models lenet5,mlp,resnet50,transformer] [--repeats 12]
         [--steps N] [--quick] [--plot FILE.png] [--json FILE.json]
+    python benchmarks/scaling.py --compare FIRST.json SECOND.json
 """
 
 import argparse
@@ -45,6 +46,7 @@ DEFAULT_REPEATS = 12
 WARMUP_STEPS = 3
 # Timed steps per window: about 0.2-1 s of work per window on 2 cores.
 STEPS_PER_WINDOW = {"lenet5": 40, "mlp": 8, "resnet50": 2, "transformer": 3}
+AGREEMENT = 0.05  # two runs on a quiet machine should give every ratio within 5% of each other
 MIN_ROUNDS_TO_JUDGE = 5  # fewer give no meaningful quartiles
 QUICK = {"repeats": 2, "steps": 2, "warmup": 2}
 START_TIMEOUT_S = 600  # all variants of a model start and trace together on a small machine
@@ -263,6 +265,28 @@ def print_agreement(analysis, measured):
     print(line)
 
 
+def compare(first_path, second_path):
+    """Prints how far two runs' ratio medians lie apart; returns False if any exceeds AGREEMENT."""
+    runs = []
+    for path in (first_path, second_path):
+        with open(path) as saved:
+            runs.append(json.load(saved)["results"])
+    agree = True
+    print(f"first run: {first_path}; second run: {second_path}")
+    print(f"{'model':<12}{'ratio':<10}{'first run':>10}{'second run':>12}  difference")
+    for model in runs[0]:
+        if model not in runs[1]:
+            continue
+        for name, ratio in runs[0][model]["analysis"]["ratios"].items():
+            first, second = ratio["median"], runs[1][model]["analysis"]["ratios"][name]["median"]
+            difference = abs(second / first - 1)
+            agree &= difference <= AGREEMENT
+            print(f"{model:<12}{f'({name[0]})/({name[2]})':<10}{first:>10.3f}{second:>12.3f}  {difference * 100:>9.1f}%"
+                  + ("" if difference <= AGREEMENT else f"  more than {AGREEMENT:.0%} apart"))
+    print(f"The runs {'agree' if agree else 'do NOT agree'} within {AGREEMENT:.0%} on every ratio.")
+    return agree
+
+
 def plot(results, path):
     try:
         import matplotlib
@@ -309,7 +333,11 @@ def main():
                              "the numbers mean nothing")
     parser.add_argument("--plot", metavar="FILE.png", help="draw step time and samples/s (needs matplotlib)")
     parser.add_argument("--json", metavar="FILE.json", help="write every measurement and the summary")
+    parser.add_argument("--compare", nargs=2, metavar="FILE.json",
+                        help="measure nothing: check that two --json runs agree within 5%% on every ratio")
     args = parser.parse_args()
+    if args.compare:
+        sys.exit(0 if compare(*args.compare) else 1)
     models = args.models.split(",")
     unknown = [model for model in models if model not in MODELS]
     if unknown:

@@ -212,6 +212,8 @@ def main():
     parser.add_argument("--warmup-steps", type=int, default=3, help="untimed first steps (tracing)")
     parser.add_argument("--control", required=True, help="folder with the FIFOs go-<rank> and results")
     args = parser.parse_args()
+    if min(args.windows, args.steps_per_window, args.warmup_steps) < 1:
+        parser.error("--windows, --steps-per-window and --warmup-steps must be at least 1")
 
     communicator, is_master = None, True
     if args.variant != "keras":

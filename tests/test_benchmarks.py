@@ -1,6 +1,7 @@
 """The judging logic of benchmarks/scaling.py, on synthetic timings (no training, no timing)."""
 
 import importlib.util
+import json
 import pathlib
 
 import pytest
@@ -61,3 +62,15 @@ def test_resnet50_judges_synchronized_batch_normalization_against_plain_two_rank
     assert ratios["e/c"]["median"] == pytest.approx(600 / 520)
     assert ratios["e/c"]["verdict"] == "MISSED"  # target 1.10
     assert ratios["c/d"]["verdict"] == "met"
+
+
+def test_compare_flags_runs_whose_ratios_differ_by_more_than_five_percent(tmp_path, capsys):
+    step_ms = {"a": [100] * 5, "b": [100] * 5, "c": [110] * 5, "d": [100] * 5}
+    paths = []
+    for name, c_ms in [("first", 110), ("close", 114), ("far", 117)]:
+        analysis = scaling.analyze("lenet5", _measured({**step_ms, "c": [c_ms] * 5}))
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps({"results": {"lenet5": {"analysis": analysis}}}))
+    assert scaling.compare(paths[0], paths[1])      # (c)/(d) 1.10 against 1.14: 3.6% apart
+    assert not scaling.compare(paths[0], paths[2])  # 1.10 against 1.17: 6.4% apart
+    assert "lenet5      (c)/(d)        1.100       1.170        6.4%  more than 5% apart" in capsys.readouterr().out
