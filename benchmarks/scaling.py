@@ -147,8 +147,10 @@ def measure_model(model, repeats, steps, warmup, scratch):
     """Runs every variant of `model` for `repeats` interleaved rounds; returns the raw results."""
     labels = MODEL_VARIANTS[model]
     started = time.monotonic()
-    workers = {label: Worker(model, label, repeats, steps, warmup, scratch) for label in labels}
+    workers = {}
     try:
+        for label in labels:
+            workers[label] = Worker(model, label, repeats, steps, warmup, scratch)
         ready = {label: worker.receive(START_TIMEOUT_S) for label, worker in workers.items()}
         start_seconds = time.monotonic() - started
         print(f"{model}: all variants traced and ready after {start_seconds:.0f} s", file=sys.stderr, flush=True)
