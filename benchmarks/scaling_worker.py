@@ -146,7 +146,8 @@ class WindowedTimer(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self._step_seconds.append(time.perf_counter() - self._started)
         step, self._step = self._step, self._step + 1
-        if step in self._resync_steps:  # the first step of a window, untimed: ranks leaving the wait at different times
+        # A window's first step is untimed: the ranks leave their wait at different moments.
+        if step in self._resync_steps:
             self._step_seconds.clear()
             self._entered_at_start = None if self._comm is None else self._comm.entered
         if step not in self._window_ends:
