@@ -1,132 +1,380 @@
-"""Data-parallel scaling of tarantella on one node, at global batch size 128.
+"""Data-parallel scaling of tarantella on one node, robust to a noisy machine.
 
-For each model (LeNet-5, and an MLP of about 10M parameters) it measures the
-master rank's median training-step time and samples/s of:
+For each model (LeNet-5; an MLP of about 10M parameters; ResNet-50 at 32x32 inputs; a small
+Transformer encoder with masked attention and sparse embedding gradients) it measures the
+master rank's training-step time and samples/s of:
   (a) plain Keras in one process, tarantella not imported;
   (b) tarantella at 1 rank, where tnt.Model is plain Keras;
   (c) tarantella at 2 ranks;
-  (d) 2 ranks with the gradient allreduce monkeypatched away: the compute-only ceiling,
-and prints the (b)/(a) and (c)/(d) step-time ratios against their targets and the
-(c)/(a) speed-up in samples/s.
+  (d) 2 ranks with the gradient allreduce monkeypatched away: the compute-only ceiling;
+  (e) ResNet-50 only: 2 ranks with synchronized BatchNormalization;
+and judges the step-time ratios (b)/(a), (c)/(d) and (e)/(c) against their targets. It also
+counts tarantella's collectives per step (each opens with a 16-byte agreement allreduce,
+which has no switch) and times that agreement.
 
-Every variant trains the same model from the same seed on the same random data
-(SGD, sparse categorical cross-entropy, accuracy) in a fresh subprocess
-(benchmarks/scaling_worker.py), so TensorFlow's thread settings start clean. The
-first steps (tracing) are not timed.
+Every variant trains the same model from the same seed on the same random data (SGD,
+sparse categorical cross-entropy, accuracy). How noise is kept out:
+- All variants of one model start together (benchmarks/scaling_worker.py) and stay alive;
+  after tracing, each waits, taking no CPU, until told to run one timed window of a few
+  steps. Only one variant runs at a time.
+- A round runs one window of every variant, in the order a, b, c, d (, e), the next round
+  in reverse, and so on, so drift of the machine's speed hits all variants alike.
+- A window's step time is the median of its steps; a ratio is computed per round, from
+  windows run moments apart, and reported as the median over rounds with its spread (the
+  interquartile range, and min-max). A target is judged only when the whole interquartile
+  range lies on one side of it; otherwise the output says the spread is too large to judge.
+Compare numbers within one invocation only, on a quiet machine.
 
-The machine is small and shared, so its speed drifts. To compare variants fairly
-the runs are interleaved: each repeat runs a, b, c, d for one model, then for the
-next model, and each variant's result is the median over repeats of its per-run
-median step time. Compare numbers within one invocation only, on a quiet machine.
-
-    python benchmarks/scaling.py [--models lenet5,mlp] [--repeats 3] [--steps N]
+    python benchmarks/scaling.py [--models lenet5,mlp,resnet50,transformer] [--repeats 12]
+        [--steps N] [--quick] [--plot FILE.png] [--json FILE.json]
+    python benchmarks/scaling.py --compare FIRST.json SECOND.json
 """
 
 import argparse
 import json
 import os
+import select
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scaling_worker.py")
-GLOBAL_BATCH_SIZE = 128
-RUN_TIMEOUT_S = 300
-TIMED_STEPS = {"lenet5": 200, "mlp": 20}  # a few seconds per run on 2 cores
+DEFAULT_REPEATS = 12
+WARMUP_STEPS = 3
+# Timed steps per window: about 0.2-1 s of work per window on 2 cores.
+STEPS_PER_WINDOW = {"lenet5": 40, "mlp": 8, "resnet50": 2, "transformer": 3}
+AGREEMENT = 0.05  # two runs on a quiet machine should give every ratio within 5% of each other
+MIN_ROUNDS_TO_JUDGE = 5  # fewer give no meaningful quartiles
+QUICK = {"repeats": 2, "steps": 2, "warmup": 2}
+START_TIMEOUT_S = 600  # all variants of a model start and trace together on a small machine
+WINDOW_TIMEOUT_S = 300
 
-ONE_PROCESS = [sys.executable]
-TWO_RANKS = [sys.executable, "-m", "tarantella.launcher", "-n", "2", "--"]
-# label, description, command prefix, worker --variant
-VARIANTS = [
-    ("a", "plain Keras, 1 process", ONE_PROCESS, "keras"),
-    ("b", "tarantella, 1 rank", ONE_PROCESS, "tarantella"),
-    ("c", "tarantella, 2 ranks", TWO_RANKS, "tarantella"),
-    ("d", "2 ranks, no gradient allreduce", TWO_RANKS, "no-allreduce"),
-]
+# label -> (description, ranks, worker --variant)
+VARIANTS = {
+    "a": ("plain Keras, 1 process", 1, "keras"),
+    "b": ("tarantella, 1 rank", 1, "tarantella"),
+    "c": ("tarantella, 2 ranks", 2, "tarantella"),
+    "d": ("2 ranks, no gradient allreduce", 2, "no-allreduce"),
+    "e": ("2 ranks, synchronized BatchNorm", 2, "sync-bn"),
+}
 # Upper bounds on step-time ratios (numerator, denominator): what tarantella costs at one
-# rank, and what the gradient allreduce costs at two.
+# rank, what the gradient allreduce costs at two, and what synchronized BatchNormalization adds.
 RATIO_TARGETS = {
     "lenet5": {("b", "a"): 1.02, ("c", "d"): 1.08},
     "mlp": {("b", "a"): 1.02, ("c", "d"): 1.25},
+    "resnet50": {("b", "a"): 1.02, ("c", "d"): 1.10, ("e", "c"): 1.10},
+    "transformer": {("b", "a"): 1.02, ("c", "d"): 1.10},
 }
+MODELS = list(RATIO_TARGETS)
+MODEL_VARIANTS = {model: "abcde" if model == "resnet50" else "abcd" for model in MODELS}
 
 
-def measure(model, prefix, variant, steps, output_path):
-    """Runs one worker; returns (parameter count, median step seconds)."""
-    command = prefix + [WORKER, "--model", model, "--variant", variant, "--steps", str(steps),
-                        "--output", output_path]
-    # A session of its own, so a timeout can stop mpiexec and its ranks together.
-    worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
+class WorkerFailed(RuntimeError):
+    pass
+
+
+class Worker:
+    """One variant's worker process (or 2-rank job), driven through FIFOs."""
+
+    def __init__(self, model, label, windows, steps, warmup, scratch):
+        description, ranks, variant = VARIANTS[label]
+        self.name = f"{model} ({label}) {description}"
+        self.control = os.path.join(scratch, f"{model}-{label}")
+        os.mkdir(self.control)
+        # Opened read-write, so that neither side blocks in open() and a reader never sees EOF.
+        self._go = []
+        for rank in range(ranks):
+            path = os.path.join(self.control, f"go-{rank}")
+            os.mkfifo(path)
+            self._go.append(os.open(path, os.O_RDWR))
+        os.mkfifo(os.path.join(self.control, "results"))
+        self._results = os.open(os.path.join(self.control, "results"), os.O_RDWR | os.O_NONBLOCK)
+        self._received = b""
+        prefix = [sys.executable] if ranks == 1 else [sys.executable, "-m", "tarantella.launcher", "-n",
+                                                      str(ranks), "--"]
+        self.command = prefix + [WORKER, "--model", model, "--variant", variant, "--windows", str(windows),
+                                 "--steps-per-window", str(steps), "--warmup-steps", str(warmup),
+                                 "--control", self.control]
+        self._log_path = os.path.join(self.control, "output.log")
+        with open(self._log_path, "w") as log:
+            # A session of its own, so that stop() ends the launcher and its ranks together.
+            self._process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                             start_new_session=True)
+
+    def send(self, command):
+        for fifo in self._go:
+            os.write(fifo, f"{command}\n".encode())
+
+    def receive(self, timeout_s):
+        """The next JSON line the worker's master rank writes."""
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._received:
+            if self._process.poll() is not None:
+                raise WorkerFailed(f"{self.name} ended (exit status {self._process.returncode}) before it "
+                                   f"answered.\n{' '.join(self.command)}\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise WorkerFailed(f"{self.name} did not answer within {timeout_s} s.\n{self.log_tail()}")
+            if select.select([self._results], [], [], 0.5)[0]:
+                self._received += os.read(self._results, 1 << 16)
+        line, self._received = self._received.split(b"\n", 1)
+        return json.loads(line)
+
+    def finish(self, timeout_s):
+        self.send("end")
+        try:
+            status = self._process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise WorkerFailed(f"{self.name} did not end within {timeout_s} s.\n{self.log_tail()}") from None
+        if status != 0:
+            raise WorkerFailed(f"{self.name} failed (exit status {status}).\n{self.log_tail()}")
+
+    def stop(self):
+        if self._process.poll() is None:
+            os.killpg(self._process.pid, signal.SIGKILL)
+            self._process.wait()
+        for fd in self._go + [self._results]:
+            os.close(fd)
+
+    def log_tail(self):
+        with open(self._log_path, errors="replace") as log:
+            return log.read()[-5000:]
+
+
+def measure_model(model, repeats, steps, warmup, scratch):
+    """Runs every variant of `model` for `repeats` interleaved rounds; returns the raw results."""
+    labels = MODEL_VARIANTS[model]
+    started = time.monotonic()
+    workers = {}
     try:
-        output, _ = worker.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait()
-        sys.exit(f"{' '.join(command)} did not finish within {RUN_TIMEOUT_S} s.")
-    if worker.returncode != 0:
-        sys.exit(f"{' '.join(command)} failed (exit status {worker.returncode}):\n{output[-5000:]}")
-    with open(output_path) as result:
-        measured = json.load(result)
-    return measured["parameters"], statistics.median(measured["step_seconds"])
+        for label in labels:
+            workers[label] = Worker(model, label, repeats, steps, warmup, scratch)
+        ready = {label: worker.receive(START_TIMEOUT_S) for label, worker in workers.items()}
+        start_seconds = time.monotonic() - started
+        print(f"{model}: all variants traced and ready after {start_seconds:.0f} s", file=sys.stderr, flush=True)
+        windows = {label: [] for label in labels}
+        for repeat in range(repeats):
+            order = labels if repeat % 2 == 0 else labels[::-1]
+            for label in order:
+                workers[label].send("window")
+                windows[label].append(workers[label].receive(WINDOW_TIMEOUT_S))
+            print(f"[{model} round {repeat + 1}/{repeats}] " + " ".join(
+                f"{label} {windows[label][-1]['median_step_seconds'] * 1e3:.1f}" for label in labels) + " ms/step",
+                file=sys.stderr, flush=True)
+        workers["c"].send("agreement")
+        agreement = workers["c"].receive(WINDOW_TIMEOUT_S)
+        for worker in workers.values():
+            worker.finish(WINDOW_TIMEOUT_S)
+    finally:
+        for worker in workers.values():
+            worker.stop()
+    first = ready[labels[0]]
+    return {"parameters": first["parameters"], "global_batch_size": first["global_batch_size"],
+            "steps_per_window": steps, "start_seconds": start_seconds,
+            "seconds": time.monotonic() - started, "windows": windows, "agreement": agreement}
 
 
-def print_table(models, parameters, steps, step_seconds, repeats):
-    timed = ", ".join(f"{model} {steps[model]}" for model in models)
-    print(f"\nGlobal batch {GLOBAL_BATCH_SIZE}; timed steps per run: {timed}; median over {repeats} "
-          "interleaved repeat(s) of each run's median step time.")
-    header = (f"{'model':<8}{'parameters':>12}  {'variant':<36}{'step ms':>9}{'samples/s':>11}"
-              "  per repeat (ms)")
+# -- statistics --------------------------------------------------------------------------
+
+def summarize(values):
+    """Median, quartiles and extremes of a list of numbers."""
+    ordered = sorted(values)
+    if len(ordered) > 1:
+        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    else:
+        q1 = q3 = ordered[0]
+    return {"median": statistics.median(ordered), "q1": q1, "q3": q3, "min": ordered[0], "max": ordered[-1]}
+
+
+def verdict(spread, target, rounds):
+    """'met' or 'MISSED' when the interquartile range lies wholly on one side of the target."""
+    if rounds < MIN_ROUNDS_TO_JUDGE:
+        return f"too few rounds to judge (fewer than {MIN_ROUNDS_TO_JUDGE})"
+    if spread["q3"] <= target:
+        return "met"
+    if spread["q1"] > target:
+        return "MISSED"
+    return "spread too large to judge"
+
+
+def analyze(model, measured):
+    """Step times per variant, and each target ratio from paired rounds, with their spread."""
+    step = {label: [w["median_step_seconds"] for w in windows] for label, windows in measured["windows"].items()}
+    ratios = {}
+    for (numerator, denominator), target in RATIO_TARGETS[model].items():
+        # Per round: the two windows ran moments apart, so the machine's drift cancels.
+        per_round = [n / d for n, d in zip(step[numerator], step[denominator])]
+        spread = summarize(per_round)
+        ratios[f"{numerator}/{denominator}"] = {**spread, "per_round": per_round, "target": target,
+                                                "verdict": verdict(spread, target, len(per_round))}
+    # Samples/s of (c) over (a) is the step time of (a) over (c).
+    speed_up = summarize([a / c for a, c in zip(step["a"], step["c"])])
+    collectives = {label: statistics.median(w["collectives_per_step"] for w in measured["windows"][label])
+                   for label in measured["windows"] if VARIANTS[label][1] > 1}
+    return {"step_seconds": {label: {**summarize(times), "per_round": times} for label, times in step.items()},
+            "ratios": ratios, "speed_up_c_over_a": speed_up, "collectives_per_step": collectives}
+
+
+# -- output ------------------------------------------------------------------------------
+
+def relative_spread(spread):
+    median = spread["median"]
+    return f"{(spread['q1'] / median - 1) * 100:+.0f}%/{(spread['q3'] / median - 1) * 100:+.0f}%"
+
+
+def print_report(results, repeats):
+    print(f"\nMedian over {repeats} interleaved round(s) of each window's median step time; IQR: interquartile "
+          "range relative to the median.")
+    header = (f"{'model':<12}{'params':>12}  {'variant':<38}{'step ms':>9}{'IQR':>12}{'samples/s':>11}")
     print(header)
     print("-" * len(header))
-    for model in models:
-        median = {label: statistics.median(step_seconds[model][label]) for label, *_ in VARIANTS}
-        for index, (label, description, _, _) in enumerate(VARIANTS):
-            name, count = (model, f"{parameters[model]:,}") if index == 0 else ("", "")
-            per_repeat = " ".join(f"{seconds * 1e3:.1f}" for seconds in step_seconds[model][label])
-            print(f"{name:<8}{count:>12}  {f'({label}) {description}':<36}{median[label] * 1e3:>9.2f}"
-                  f"{GLOBAL_BATCH_SIZE / median[label]:>11,.0f}  {per_repeat}")
-        for (numerator, denominator), target in RATIO_TARGETS[model].items():
-            ratio = median[numerator] / median[denominator]
-            verdict = "met" if ratio <= target else "MISSED"
-            print(f"{'':<22}{f'({numerator})/({denominator}) step time':<36}{ratio:>9.3f}{'':<11}"
-                  f"  target <= {target:.2f}: {verdict}")
-        # Samples/s of (c) over (a) is the step time of (a) over (c).
-        print(f"{'':<22}{'(c)/(a) speed-up in samples/s':<36}{median['a'] / median['c']:>9.2f}\n")
+    for model, result in results.items():
+        measured, analysis = result["measured"], result["analysis"]
+        batch = measured["global_batch_size"]
+        for index, (label, spread) in enumerate(analysis["step_seconds"].items()):
+            name, count = (model, f"{measured['parameters']:,}") if index == 0 else ("", "")
+            description = f"({label}) {VARIANTS[label][0]}"
+            print(f"{name:<12}{count:>12}  {description:<38}{spread['median'] * 1e3:>9.2f}"
+                  f"{relative_spread(spread):>12}{batch / spread['median']:>11,.0f}")
+        print(f"{'':<26}global batch {batch}, {measured['steps_per_window']} timed step(s) per window")
+        for name, ratio in analysis["ratios"].items():
+            numerator, denominator = name.split("/")
+            quartiles = f"{ratio['q1']:.3f}-{ratio['q3']:.3f}"
+            print(f"{'':<26}{f'({numerator})/({denominator}) step time':<38}{ratio['median']:>9.3f}"
+                  f"{quartiles:>12}  min-max {ratio['min']:.3f}-{ratio['max']:.3f}, "
+                  f"target <= {ratio['target']:.2f}: {ratio['verdict']}")
+        speed_up = analysis["speed_up_c_over_a"]
+        quartiles = f"{speed_up['q1']:.2f}-{speed_up['q3']:.2f}"
+        print(f"{'':<26}{'(c)/(a) speed-up in samples/s':<38}{speed_up['median']:>9.2f}{quartiles:>12}")
+        print_agreement(analysis, measured)
+        print()
+
+
+def print_agreement(analysis, measured):
+    agreement = measured["agreement"]
+    counts = analysis["collectives_per_step"]
+    line = f"{'':<26}tarantella collectives per step: " + ", ".join(f"({l}) {n:g}" for l, n in counts.items())
+    if agreement["agreement_seconds"] is not None:
+        costs = ", ".join(
+            f"({label}) {count * agreement['agreement_seconds'] * 1e3:.2f} ms = "
+            f"{count * agreement['agreement_seconds'] / analysis['step_seconds'][label]['median'] * 100:.1f}%"
+            for label, count in counts.items())
+        line += (f".\n{'':<26}Each opens with a 16-byte agreement allreduce of "
+                 f"{agreement['agreement_seconds'] * 1e6:.0f} us (a whole synchronous 16-byte collective: "
+                 f"{agreement['collective_seconds'] * 1e6:.0f} us); agreeing per step: {costs} of the step")
+    print(line)
+
+
+def compare(first_path, second_path):
+    """Prints how far two runs' ratio medians lie apart; returns False if any exceeds AGREEMENT."""
+    runs = []
+    for path in (first_path, second_path):
+        with open(path) as saved:
+            runs.append(json.load(saved)["results"])
+    agree = True
+    print(f"first run: {first_path}; second run: {second_path}")
+    print(f"{'model':<12}{'ratio':<10}{'first run':>10}{'second run':>12}  difference")
+    for model in runs[0]:
+        if model not in runs[1]:
+            continue
+        for name, ratio in runs[0][model]["analysis"]["ratios"].items():
+            first, second = ratio["median"], runs[1][model]["analysis"]["ratios"][name]["median"]
+            difference = abs(second / first - 1)
+            agree &= difference <= AGREEMENT
+            print(f"{model:<12}{f'({name[0]})/({name[2]})':<10}{first:>10.3f}{second:>12.3f}  {difference * 100:>9.1f}%"
+                  + ("" if difference <= AGREEMENT else f"  more than {AGREEMENT:.0%} apart"))
+    print(f"The runs {'agree' if agree else 'do NOT agree'} within {AGREEMENT:.0%} on every ratio.")
+    return agree
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit("--plot needs matplotlib: pip install 'tarantella[plot]' (or pip install matplotlib).")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = list(results)
+    figure, axes = plt.subplots(2, len(models), figsize=(3.2 * len(models), 6), squeeze=False)
+    for column, model in enumerate(models):
+        steps = results[model]["analysis"]["step_seconds"]
+        batch = results[model]["measured"]["global_batch_size"]
+        labels = list(steps)
+        medians = [steps[label]["median"] for label in labels]
+        for row, (values, low_high, unit) in enumerate([
+                ([m * 1e3 for m in medians], [(steps[l]["q1"] * 1e3, steps[l]["q3"] * 1e3) for l in labels],
+                 "step time (ms)"),
+                ([batch / m for m in medians], [(batch / steps[l]["q3"], batch / steps[l]["q1"]) for l in labels],
+                 "samples/s")]):
+            errors = [[v - low for v, (low, _) in zip(values, low_high)],
+                      [high - v for v, (_, high) in zip(values, low_high)]]
+            axis = axes[row][column]
+            axis.bar(labels, values, yerr=errors, capsize=3, color="tab:blue" if row == 0 else "tab:green")
+            axis.set_ylabel(unit)
+            if row == 0:
+                axis.set_title(f"{model} (batch {batch})")
+    figure.text(0.5, 0.005, "  ".join(f"({label}) {VARIANTS[label][0]}" for label in VARIANTS), ha="center",
+                fontsize=7)
+    figure.suptitle("Median step time and samples/s; bars: interquartile range over rounds")
+    figure.tight_layout(rect=(0, 0.03, 1, 0.96))
+    figure.savefig(path, dpi=120)
+    print(f"Plot written to {path}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(TIMED_STEPS),
-                        help=f"comma-separated, from {', '.join(TIMED_STEPS)} (default: all)")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of a, b, c, d (default 3)")
-    parser.add_argument("--steps", type=int, help="timed steps per run (default: " +
-                        ", ".join(f"{model} {steps}" for model, steps in TIMED_STEPS.items()) + ")")
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated, from {', '.join(MODELS)} (default: all)")
+    parser.add_argument("--repeats", type=int, help=f"interleaved rounds of windows (default {DEFAULT_REPEATS})")
+    parser.add_argument("--steps", type=int, help="timed steps per window (default: " +
+                        ", ".join(f"{model} {steps}" for model, steps in STEPS_PER_WINDOW.items()) + ")")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a smoke test: {QUICK['repeats']} rounds of {QUICK['steps']}-step windows; "
+                             "the numbers mean nothing")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw step time and samples/s (needs matplotlib)")
+    parser.add_argument("--json", metavar="FILE.json", help="write every measurement and the summary")
+    parser.add_argument("--compare", nargs=2, metavar="FILE.json",
+                        help="measure nothing: check that two --json runs agree within 5%% on every ratio")
     args = parser.parse_args()
+    if args.compare:
+        sys.exit(0 if compare(*args.compare) else 1)
     models = args.models.split(",")
-    unknown = [model for model in models if model not in TIMED_STEPS]
+    unknown = [model for model in models if model not in MODELS]
     if unknown:
-        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(TIMED_STEPS)}")
-    if args.repeats < 1 or (args.steps is not None and args.steps < 1):
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    repeats = args.repeats or (QUICK["repeats"] if args.quick else DEFAULT_REPEATS)
+    if repeats < 1 or (args.steps is not None and args.steps < 1):
         parser.error("--repeats and --steps must be at least 1")
-    steps = {model: args.steps or TIMED_STEPS[model] for model in models}
+    if args.plot:  # fail now, not after the measurement
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install 'tarantella[plot]' (or pip install matplotlib).")
+    warmup = QUICK["warmup"] if args.quick else WARMUP_STEPS
 
-    parameters = {}
-    step_seconds = {model: {label: [] for label, *_ in VARIANTS} for model in models}
-    runs = args.repeats * len(models) * len(VARIANTS)
+    started = time.monotonic()
+    results = {}
     with tempfile.TemporaryDirectory(prefix="tnt-scaling-") as scratch:
-        for repeat in range(args.repeats):
-            for model in models:
-                for label, description, prefix, variant in VARIANTS:
-                    output_path = os.path.join(scratch, f"{repeat}-{model}-{label}.json")
-                    parameters[model], seconds = measure(model, prefix, variant, steps[model], output_path)
-                    step_seconds[model][label].append(seconds)
-                    done = sum(len(times) for per_model in step_seconds.values() for times in per_model.values())
-                    print(f"[{done}/{runs}] {model} ({label}) {description}: {seconds * 1e3:.2f} ms/step",
-                          file=sys.stderr, flush=True)
-    print_table(models, parameters, steps, step_seconds, args.repeats)
+        for model in models:
+            steps = args.steps or (QUICK["steps"] if args.quick else STEPS_PER_WINDOW[model])
+            try:
+                measured = measure_model(model, repeats, steps, warmup, scratch)
+            except WorkerFailed as error:
+                sys.exit(f"benchmark failed: {error}")
+            results[model] = {"measured": measured, "analysis": analyze(model, measured)}
+    print_report(results, repeats)
+    print(f"Whole run: {time.monotonic() - started:.0f} s (" + ", ".join(
+        f"{model} {result['measured']['seconds']:.0f} s, of which start-up {result['measured']['start_seconds']:.0f} s"
+        for model, result in results.items()) + ").")
+    if args.quick:
+        print("--quick: a smoke test; these numbers judge nothing.")
+    if args.json:
+        with open(args.json, "w") as output:
+            json.dump({"repeats": repeats, "results": results}, output, indent=1)
+    if args.plot:
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,27 @@
-"""One measurement for benchmarks/scaling.py: trains one model and records its step times.
+"""One variant of one model for benchmarks/scaling.py, kept alive for many timed windows.
 
 Variants:
   keras         plain Keras; tarantella is never imported
   tarantella    tnt.Model, as many ranks as the launcher starts (1 with plain `python`)
   no-allreduce  tnt.Model with the gradient allreduce replaced by the identity: the
                 compute-only ceiling of a multi-rank step
+  sync-bn       tnt.Model(..., synchronized_batch_normalization=True)
 
-The master rank writes {"parameters": ..., "step_seconds": [...]} as JSON to --output.
+The worker trains one model on random data in a single `fit`. After the untimed warm-up
+steps (tracing), and after every timed window, each rank stops between two steps and
+reads its next command from its own FIFO (`--control`/go-<rank>): a blocking read, so an
+idle worker takes no CPU from the variant being timed. Commands:
+  window      one step that lets the ranks fall in step again, then --steps-per-window timed steps
+  agreement   times the 16-byte agreement allreduce that precedes every tarantella
+              collective, and a whole synchronous tarantella collective (2+ ranks only)
+  end         leave the loop once every window has run
+The master rank answers each command with one JSON line on `--control`/results.
 """
 
 import argparse
 import json
 import os
+import statistics
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before TensorFlow loads
@@ -21,9 +31,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-GLOBAL_BATCH_SIZE = 128
 BATCHES_OF_DATA = 8  # distinct random batches, repeated for as many steps as needed
 SEED = 0
+CLASSES = 10
+AGREEMENT_CALLS = 200
+AGREEMENT_WARMUP_CALLS = 20
 
 
 def lenet5():
@@ -36,7 +48,7 @@ def lenet5():
         keras.layers.Flatten(),
         keras.layers.Dense(120, activation="relu"),
         keras.layers.Dense(84, activation="relu"),
-        keras.layers.Dense(10, activation="softmax"),
+        keras.layers.Dense(CLASSES, activation="softmax"),
     ], name="lenet5")
 
 
@@ -46,68 +58,192 @@ def mlp():
         keras.layers.Dense(2048, activation="relu"),
         keras.layers.Dense(2048, activation="relu"),
         keras.layers.Dense(2048, activation="relu"),
-        keras.layers.Dense(10, activation="softmax"),
+        keras.layers.Dense(CLASSES, activation="softmax"),
     ], name="mlp")
 
 
-MODELS = {"lenet5": lenet5, "mlp": mlp}
+def resnet50():
+    # 32x32 inputs instead of 224x224: the same 23.5M weights and 53 BatchNormalization layers
+    # at 1/49 of the compute, so a step fits a 2-core machine.
+    return keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=CLASSES)
 
 
-def random_dataset(input_shape):
+TRANSFORMER_VOCABULARY = 4000
+TRANSFORMER_LENGTH = 128
+
+
+@keras.saving.register_keras_serializable(package="tarantella_benchmarks")
+class TokenAndPositionEmbedding(keras.layers.Layer):
+    """Token plus learned position embeddings; token 0 is padding and masked out."""
+
+    def __init__(self, vocabulary, length, width, **kwargs):
+        super().__init__(**kwargs)
+        self.tokens = keras.layers.Embedding(vocabulary, width, mask_zero=True)
+        self.positions = keras.layers.Embedding(length, width)
+
+    def call(self, token_ids):
+        positions = keras.ops.arange(keras.ops.shape(token_ids)[-1])
+        return self.tokens(token_ids) + self.positions(positions)
+
+    def compute_mask(self, token_ids, mask=None):
+        return self.tokens.compute_mask(token_ids)
+
+
+def transformer(width=128, heads=4, hidden=256, blocks=2):
+    """A small encoder classifier: masked self-attention over padded token sequences."""
+    token_ids = keras.Input((TRANSFORMER_LENGTH,), dtype="int32")
+    x = TokenAndPositionEmbedding(TRANSFORMER_VOCABULARY, TRANSFORMER_LENGTH, width)(token_ids)
+    for _ in range(blocks):
+        attended = keras.layers.MultiHeadAttention(heads, width // heads)(x, x)  # Keras passes the mask on
+        x = keras.layers.LayerNormalization()(keras.layers.Add()([x, attended]))
+        expanded = keras.layers.Dense(hidden, activation="relu")(x)
+        x = keras.layers.LayerNormalization()(keras.layers.Add()([x, keras.layers.Dense(width)(expanded)]))
+    pooled = keras.layers.GlobalAveragePooling1D()(x)  # over the unmasked tokens only
+    return keras.Model(token_ids, keras.layers.Dense(CLASSES, activation="softmax")(pooled), name="transformer")
+
+
+# model -> (builder, global batch size). ResNet-50 and the Transformer get batches for steps
+# of about 0.2-1 s on 2 cores; ResNet-50's 16 samples per rank at 2 ranks is the smallest
+# micro-batch for which tarantella does not warn about per-rank BatchNormalization statistics.
+MODELS = {"lenet5": (lenet5, 128), "mlp": (mlp, 128), "resnet50": (resnet50, 32), "transformer": (transformer, 64)}
+
+
+def random_dataset(model, global_batch_size):
     rng = np.random.default_rng(SEED)
-    samples = GLOBAL_BATCH_SIZE * BATCHES_OF_DATA
-    x = rng.random((samples,) + tuple(input_shape), dtype=np.float32)
-    y = rng.integers(0, 10, samples).astype(np.int32)
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH_SIZE).repeat()
+    samples = global_batch_size * BATCHES_OF_DATA
+    if model.name == "transformer":
+        x = rng.integers(1, TRANSFORMER_VOCABULARY, (samples, TRANSFORMER_LENGTH)).astype(np.int32)
+        lengths = rng.integers(TRANSFORMER_LENGTH // 2, TRANSFORMER_LENGTH + 1, samples)
+        x[np.arange(TRANSFORMER_LENGTH) >= lengths[:, None]] = 0  # padding
+    else:
+        x = rng.random((samples,) + tuple(model.input_shape[1:]), dtype=np.float32)
+    y = rng.integers(0, CLASSES, samples).astype(np.int32)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch_size).repeat()
 
 
-class StepTimer(keras.callbacks.Callback):
-    def __init__(self):
+class WindowedTimer(keras.callbacks.Callback):
+    """Times each step; between windows, waits for the coordinator's next command."""
+
+    def __init__(self, args, communicator, is_master, ready_message):
         super().__init__()
-        self.step_seconds = []
+        self._args = args
+        self._ready_message = ready_message
+        self._comm = communicator
+        self._is_master = is_master
+        self._commands = open(os.path.join(args.control, f"go-{0 if communicator is None else communicator.rank}"))
+        self._results = open(os.path.join(args.control, "results"), "w") if is_master else None
+        self._window_ends = {args.warmup_steps + (w + 1) * (1 + args.steps_per_window) - 1
+                             for w in range(args.windows)}
+        self._window_ends.add(args.warmup_steps - 1)
+        self._resync_steps = {end + 1 for end in self._window_ends}
+        self._step_seconds = []
+        self._step = 0
+        self._entered_at_start = None
 
     def on_train_batch_begin(self, batch, logs=None):
-        self._start = time.perf_counter()
+        self._started = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
-        self.step_seconds.append(time.perf_counter() - self._start)
+        self._step_seconds.append(time.perf_counter() - self._started)
+        step, self._step = self._step, self._step + 1
+        # A window's first step is untimed: the ranks leave their wait at different moments.
+        if step in self._resync_steps:
+            self._step_seconds.clear()
+            self._entered_at_start = None if self._comm is None else self._comm.entered
+        if step not in self._window_ends:
+            return
+        if step == self._args.warmup_steps - 1:
+            self._reply({"ready": True, **self._ready_message})
+        else:
+            self._report_window()
+        last = step == max(self._window_ends)
+        self._obey_commands(until="end" if last else "window")
+
+    def _report_window(self):
+        seconds = self._step_seconds
+        collectives = None
+        if self._comm is not None:
+            collectives = (self._comm.entered - self._entered_at_start) / len(seconds)
+        self._reply({"median_step_seconds": statistics.median(seconds), "mean_step_seconds": statistics.fmean(seconds),
+                     "collectives_per_step": collectives})
+
+    def _obey_commands(self, until):
+        while True:
+            command = self._commands.readline().strip()
+            if command == until:
+                return
+            if command == "agreement":
+                self._reply(measure_agreement(self._comm))
+            else:
+                raise SystemExit(f"scaling_worker: expected '{until}' or 'agreement', got {command!r}")
+
+    def _reply(self, message):
+        if self._is_master:
+            self._results.write(json.dumps(message) + "\n")
+            self._results.flush()
+
+
+def measure_agreement(communicator):
+    """Median seconds of the agreement's 16-byte allreduce alone, and of a whole synchronous
+    tarantella collective of 16 bytes (worker-thread hand-off, agreement and allreduce).
+
+    The two alternate, so that both see the same load; the first calls, which absorb the
+    ranks' different wake-up times, are not counted."""
+    if communicator is None or communicator.size == 1:
+        return {"agreement_seconds": None, "collective_seconds": None}
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD.Dup()
+    codes = np.zeros(2, np.int64)
+    raw, whole = [], []
+    for call in range(AGREEMENT_WARMUP_CALLS + AGREEMENT_CALLS):
+        started = time.perf_counter()
+        world.Allreduce(MPI.IN_PLACE, codes, op=MPI.MAX)
+        between = time.perf_counter()
+        communicator.allreduce_sum(codes, "the benchmark's 16-byte allreduce")
+        if call >= AGREEMENT_WARMUP_CALLS:
+            raw.append(between - started)
+            whole.append(time.perf_counter() - between)
+    world.Free()
+    return {"agreement_seconds": statistics.median(raw), "collective_seconds": statistics.median(whole)}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--model", choices=MODELS, required=True)
-    parser.add_argument("--variant", choices=["keras", "tarantella", "no-allreduce"], required=True)
-    parser.add_argument("--steps", type=int, required=True, help="timed steps")
-    parser.add_argument("--warmup-steps", type=int, default=5, help="untimed first steps (tracing)")
-    parser.add_argument("--output", required=True, help="JSON file the master rank writes")
+    parser.add_argument("--variant", choices=["keras", "tarantella", "no-allreduce", "sync-bn"], required=True)
+    parser.add_argument("--windows", type=int, required=True, help="timed windows")
+    parser.add_argument("--steps-per-window", type=int, required=True, help="timed steps per window")
+    parser.add_argument("--warmup-steps", type=int, default=3, help="untimed first steps (tracing)")
+    parser.add_argument("--control", required=True, help="folder with the FIFOs go-<rank> and results")
     args = parser.parse_args()
+    if min(args.windows, args.steps_per_window, args.warmup_steps) < 1:
+        parser.error("--windows, --steps-per-window and --warmup-steps must be at least 1")
 
-    is_master = True
+    communicator, is_master = None, True
     if args.variant != "keras":
         import tarantella as tnt
+        from tarantella import communication
         if args.variant == "no-allreduce":
             # Each rank applies its own gradients: the same compute, no gradient traffic.
-            import tarantella.gradients
-            tarantella.gradients.GradientAllreduce.__call__ = lambda self, grads: list(grads)
+            from tarantella import gradients
+            gradients.GradientAllreduce.__call__ = lambda self, grads, variables=None: list(grads)
+        communicator = communication.init()
         is_master = tnt.is_master_rank()
 
     keras.utils.set_random_seed(SEED)
-    model = MODELS[args.model]()
+    build, global_batch_size = MODELS[args.model]
+    model = build()
     parameters = model.count_params()
-    dataset = random_dataset(model.input_shape[1:])
+    dataset = random_dataset(model, global_batch_size)
     if args.variant != "keras":
-        model = tnt.Model(model)
+        model = tnt.Model(model, synchronized_batch_normalization=args.variant == "sync-bn")
     # Multi-rank tarantella steps never use XLA; keep every variant on the same kind of step.
     model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"],
                   jit_compile=False)
-    timer = StepTimer()
+    timer = WindowedTimer(args, communicator, is_master,
+                          {"parameters": parameters, "global_batch_size": global_batch_size})
     model.fit(dataset, epochs=1, verbose=0, shuffle=False, callbacks=[timer],
-              steps_per_epoch=args.warmup_steps + args.steps)
-
-    if is_master:
-        with open(args.output, "w") as output:
-            json.dump({"parameters": parameters, "step_seconds": timer.step_seconds[args.warmup_steps:]},
-                      output)
+              steps_per_epoch=args.warmup_steps + args.windows * (1 + args.steps_per_window))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,76 @@
+"""The judging logic of benchmarks/scaling.py, on synthetic timings (no training, no timing)."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+_PATH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "scaling.py"
+_spec = importlib.util.spec_from_file_location("scaling_benchmark", _PATH)
+scaling = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(scaling)
+
+
+def _measured(step_ms):
+    """`step_ms`: {label: [window median per round]} as the workers report them."""
+    collectives = {"c": 3, "d": 2, "e": 109}  # tarantella's collectives per step at 2 ranks
+    return {
+        "windows": {label: [{"median_step_seconds": ms / 1e3, "collectives_per_step": collectives.get(label)}
+                            for ms in per_round] for label, per_round in step_ms.items()},
+        "agreement": {"agreement_seconds": 10e-6, "collective_seconds": 50e-6},
+    }
+
+
+def test_ratios_are_paired_per_round_so_drift_cancels():
+    # The machine slows down 3x over the run; (c) is always exactly 5% slower than (d) in the same round.
+    drift = [1.0, 1.5, 2.0, 2.5, 3.0, 2.0, 1.2]
+    step_ms = {"a": [100 * f for f in drift], "b": [101 * f for f in drift],
+               "c": [105 * f for f in drift], "d": [100 * f for f in drift]}
+    analysis = scaling.analyze("lenet5", _measured(step_ms))
+
+    c_over_d = analysis["ratios"]["c/d"]
+    assert c_over_d["median"] == pytest.approx(1.05)
+    assert c_over_d["q1"] == pytest.approx(1.05) and c_over_d["q3"] == pytest.approx(1.05)
+    assert c_over_d["verdict"] == "met"  # target 1.08
+    assert analysis["ratios"]["b/a"]["median"] == pytest.approx(1.01)
+    assert analysis["speed_up_c_over_a"]["median"] == pytest.approx(100 / 105)
+    # Step times themselves carry the drift: median of the rounds, quartiles wide apart.
+    assert analysis["step_seconds"]["d"]["median"] == pytest.approx(0.2)
+    assert analysis["step_seconds"]["d"]["q3"] / analysis["step_seconds"]["d"]["q1"] > 1.5
+    assert analysis["collectives_per_step"] == {"c": 3, "d": 2}
+
+
+@pytest.mark.parametrize("per_round, verdict", [
+    ([1.00, 1.01, 1.02, 1.03, 1.04, 1.05], "met"),                        # whole IQR below 1.08
+    ([1.10, 1.12, 1.14, 1.15, 1.20, 1.25], "MISSED"),                     # whole IQR above
+    ([0.95, 1.00, 1.07, 1.09, 1.15, 1.20], "spread too large to judge"),  # IQR straddles 1.08
+])
+def test_a_target_is_judged_only_when_the_spread_allows(per_round, verdict):
+    step_ms = {"a": [100] * 6, "b": [100] * 6, "c": [100 * r for r in per_round], "d": [100] * 6}
+    assert scaling.analyze("lenet5", _measured(step_ms))["ratios"]["c/d"]["verdict"] == verdict
+
+
+def test_too_few_rounds_are_never_judged():
+    step_ms = {"a": [100] * 2, "b": [100] * 2, "c": [300] * 2, "d": [100] * 2}
+    assert scaling.analyze("lenet5", _measured(step_ms))["ratios"]["c/d"]["verdict"].startswith("too few rounds")
+
+
+def test_resnet50_judges_synchronized_batch_normalization_against_plain_two_ranks():
+    step_ms = {"a": [500] * 5, "b": [500] * 5, "c": [520] * 5, "d": [500] * 5, "e": [600] * 5}
+    ratios = scaling.analyze("resnet50", _measured(step_ms))["ratios"]
+    assert ratios["e/c"]["median"] == pytest.approx(600 / 520)
+    assert ratios["e/c"]["verdict"] == "MISSED"  # target 1.10
+    assert ratios["c/d"]["verdict"] == "met"
+
+
+def test_compare_flags_runs_whose_ratios_differ_by_more_than_five_percent(tmp_path, capsys):
+    step_ms = {"a": [100] * 5, "b": [100] * 5, "c": [110] * 5, "d": [100] * 5}
+    paths = []
+    for name, c_ms in [("first", 110), ("close", 114), ("far", 117)]:
+        analysis = scaling.analyze("lenet5", _measured({**step_ms, "c": [c_ms] * 5}))
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps({"results": {"lenet5": {"analysis": analysis}}}))
+    assert scaling.compare(paths[0], paths[1])      # (c)/(d) 1.10 against 1.14: 3.6% apart
+    assert not scaling.compare(paths[0], paths[2])  # 1.10 against 1.17: 6.4% apart
+    assert "lenet5      (c)/(d)        1.100       1.170        6.4%  more than 5% apart" in capsys.readouterr().out
