@@ -215,6 +215,8 @@ def _record_index(chain, first_split, base):
         reader = f"{kind}Dataset" + ("" if sequential else " with num_parallel_reads")
     else:
         return None, None, None
+    if files.element_spec != tf.TensorSpec([], tf.string):
+        return None, None, f"the {reader} of elements that are not single file names"
     if compression != "":
         return None, None, (f"the {reader} of {compression or 'possibly'} compressed files (compressed "
                             "bytes cannot be skipped; each rank still parses and maps only its own records)")
