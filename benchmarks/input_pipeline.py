@@ -48,8 +48,10 @@ CSV_VALUES = 256
 def counted(raw):
     """Counts one sample and its raw bytes (a record, or a file whose path is given)."""
     def note(value):
+        # sized before adding: getsize releases the GIL, and a parallel map's other call would be lost
+        size = os.path.getsize(value) if value.endswith(b".jpg") else len(value)
         COUNTS["samples"] += 1
-        COUNTS["bytes"] += os.path.getsize(value) if value.endswith(b".jpg") else len(value)
+        COUNTS["bytes"] += size
         return value
     return tf.ensure_shape(tf.numpy_function(note, [raw], tf.string, stateful=False), [])
 
@@ -182,8 +184,9 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, ranks, result, serial in rows:
         seconds = f"{result['seconds']:.2f}" if ranks < 4 else "not timed"
+        read_share = f"{result['read'] / serial['read']:.2f}" if serial["read"] > 1e5 else "-"  # else no files
         print(f"| {name} | {ranks} | {result['samples']} | {result['samples'] / serial['samples']:.2f} | "
-              f"{result['bytes'] / 1e6:.2f} | {result['read'] / 1e6:.2f} | {result['read'] / max(serial['read'], 1):.2f} | "
+              f"{result['bytes'] / 1e6:.2f} | {result['read'] / 1e6:.2f} | {read_share} | "
               f"{result['peak'] / 1024:.0f} | {result['peak'] / serial['peak']:.2f} | "
               f"{seconds} |")
     failed = [f"{name} p={ranks}" for name, ranks, result, serial in rows

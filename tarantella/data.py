@@ -203,11 +203,9 @@ def _record_index(chain, first_split, base):
             _info_once("tarantella: the %s runs with deterministic=False, which has no serial order to keep; "
                        "every rank reads in its deterministic order.", _name(node))
     elif type(base).__name__ in _RECORD_READERS:
-        node, above = base, chain[:first_split]
+        above = chain[:first_split]
         kind, compression = _RECORD_READERS[type(base).__name__], _constant_string(base._compression_type)
-        file_chain = _rebuildable_chain(base._filenames)
-        files = _with_seeds(file_chain, len(file_chain),
-                            file_chain[0]._input_dataset if file_chain else base._filenames)
+        files = base._filenames  # its shuffles are seeded: _check_seeds_outside saw to that
         # num_parallel_reads lives only in the reader's implementation: a flat_map, or an interleave
         sequential = type(base._impl).__name__ == "_FlatMapDataset"
         cycle_length, block_length = (1, 1) if sequential else (_static(base._impl._cycle_length), 1)
