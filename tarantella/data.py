@@ -320,7 +320,7 @@ def _line_positions(path, end):
     ends = np.concatenate(newlines + [np.zeros(0, np.int64)]).astype(np.int64)
     if end and (not len(ends) or ends[-1] != end - 1):  # a last line without a newline
         ends = np.append(ends, end)
-    starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+    starts = np.concatenate([[0], ends[:-1] + 1])[:len(ends)].astype(np.int64)  # none in an empty file
     return starts, ends - starts
 
 

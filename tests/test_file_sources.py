@@ -127,10 +127,11 @@ def test_ranks_together_yield_the_serial_batches_and_read_only_their_records(pip
 
 
 def test_text_lines_are_read_as_text_line_dataset_reads_them(tmp_path):
-    path = tmp_path / "lines.txt"
-    path.write_bytes(b"one\r\ntwo\n\nthr\ree\r\r\n\nlast\r")
-    serial = list(tf.data.TextLineDataset(str(path)).as_numpy_iterator())
-    shards = [list(data.distribute(tf.data.TextLineDataset(str(path)).batch(4), rank, 2).unbatch().as_numpy_iterator())
+    paths = [str(tmp_path / "lines.txt"), str(tmp_path / "empty.txt")]
+    (tmp_path / "lines.txt").write_bytes(b"one\r\ntwo\n\nthr\ree\r\r\n\nlast\r")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    serial = list(tf.data.TextLineDataset(paths).as_numpy_iterator())
+    shards = [list(data.distribute(tf.data.TextLineDataset(paths).batch(4), rank, 2).unbatch().as_numpy_iterator())
               for rank in range(2)]
     assert sorted(shards[0] + shards[1]) == sorted(serial) and len(serial) == 6
 
