@@ -1,4 +1,4 @@
-"""What each rank's input pipeline does, at p = 1, 2 and 4 ranks, for three pipelines.
+"""What each rank's input pipeline does, at p = 1, 2 and 4 ranks, for six pipelines.
 
     python benchmarks/input_pipeline.py [--samples 512] [--batch 64]
 
@@ -6,12 +6,19 @@ Pipelines (the benchmark writes their files to a temporary folder):
   jpeg     list of JPEG files -> shuffle -> map(read, decode, random crop, random flip) -> batch
   tfrecord TFRecordDataset(files of encoded JPEGs) -> shuffle -> map(decode, resize) -> batch
   python   arrays -> map(numpy_function: a Python per-sample transform) -> batch
+  interleave  the tfrecord files -> interleave(TFRecordDataset, cycle_length=2, block_length=4)
+           -> shuffle -> map(decode, resize) -> batch (the ImageNet idiom)
+  gzip     as tfrecord, with GZIP-compressed files (read whole by every rank)
+  csv      TextLineDataset(CSV files of 256 numbers a line) -> map(decode_csv) -> batch
 
 For each pipeline and p, rank r's dataset is `tarantella.data.distribute(pipeline, r, p)`,
 built and iterated in this one process, rank after rank (as tests/test_data_distribution.py
 does). Columns, for the busiest rank:
   samples   per-sample map calls per epoch (counted by a numpy_function inside the map)
-  MB read   bytes of files/records the map received per epoch
+  MB mapped bytes of files/records the map received per epoch
+  MB read   bytes the process read from files (read/pread calls, /proc/self/io rchar) per epoch,
+            TensorFlow's readers included; the first epoch, not shown, also scans record headers
+            or line ends once
   batch KB  the largest batch the rank yields (bytes of all its tensors); before yielding it, the
             rank's batch holds one zero marker row more where another rank owns the first row
   epoch s   seconds for one epoch of the rank's pipeline alone: the fastest of --repeats epochs
@@ -35,13 +42,16 @@ from tarantella import data  # noqa: E402
 IMAGE = 96  # stored JPEG side; the pipeline crops to CROP
 CROP = 80
 COUNTS = {"samples": 0, "bytes": 0}
+CSV_VALUES = 256
 
 
 def counted(raw):
     """Counts one sample and its raw bytes (a record, or a file whose path is given)."""
     def note(value):
+        # sized before adding: getsize releases the GIL, and a parallel map's other call would be lost
+        size = os.path.getsize(value) if value.endswith(b".jpg") else len(value)
         COUNTS["samples"] += 1
-        COUNTS["bytes"] += os.path.getsize(value) if value.endswith(b".jpg") else len(value)
+        COUNTS["bytes"] += size
         return value
     return tf.ensure_shape(tf.numpy_function(note, [raw], tf.string, stateful=False), [])
 
@@ -64,6 +74,13 @@ def write_files(folder, samples):
             for index in chunk:
                 writer.write(encoded[index])
         records.append(record_path)
+        with tf.io.TFRecordWriter(record_path + ".gz", "GZIP") as writer:
+            for index in chunk:
+                writer.write(encoded[index])
+    for part, chunk in enumerate(np.array_split(np.arange(samples), 2)):
+        with open(os.path.join(folder, f"part{part}.csv"), "w") as lines:
+            for index in chunk:
+                lines.write(",".join(map(str, rng.integers(0, 256, CSV_VALUES))) + "\n")
     return paths, records
 
 
@@ -98,27 +115,52 @@ def pipelines(paths, records, samples, batch):
             lambda x, y: (tf.ensure_shape(tf.numpy_function(transform, [x], tf.float32), [32, 32]), y),
             num_parallel_calls=2).batch(batch)
 
-    return {"jpeg": jpeg, "tfrecord": tfrecord, "python": python}
+    def interleave():
+        decoded = lambda record: tf.image.resize(tf.io.decode_jpeg(counted(record), channels=3), [CROP, CROP])
+        return tf.data.Dataset.from_tensor_slices(records).interleave(
+            tf.data.TFRecordDataset, cycle_length=2, block_length=4, num_parallel_calls=2, deterministic=True).shuffle(
+            samples, seed=1).map(lambda record: (decoded(record), 0), num_parallel_calls=2).batch(batch).prefetch(2)
+
+    def gzip():
+        decoded = lambda record: tf.image.resize(tf.io.decode_jpeg(counted(record), channels=3), [CROP, CROP])
+        return tf.data.TFRecordDataset([path + ".gz" for path in records], "GZIP").shuffle(samples, seed=1).map(
+            lambda record: (decoded(record), 0), num_parallel_calls=2).batch(batch).prefetch(2)
+
+    def csv():
+        folder = os.path.dirname(records[0])
+        lines = tf.data.TextLineDataset([os.path.join(folder, f"part{part}.csv") for part in range(2)])
+        return lines.map(lambda line: (tf.stack(tf.io.decode_csv(counted(line), [0.0] * CSV_VALUES)), 0),
+                         num_parallel_calls=2).batch(batch)
+
+    return {"jpeg": jpeg, "tfrecord": tfrecord, "python": python, "interleave": interleave, "gzip": gzip,
+            "csv": csv}
+
+
+def bytes_read():
+    with open("/proc/self/io") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("rchar:"))
 
 
 def one_epoch(dataset):
     COUNTS.update(samples=0, bytes=0)
-    peak, start = 0, time.perf_counter()
+    peak, start, read = 0, time.perf_counter(), bytes_read()
     for element in dataset:
         peak = max(peak, sum(t.numpy().nbytes for t in tf.nest.flatten(element)))
-    return time.perf_counter() - start, dict(COUNTS), peak
+    return time.perf_counter() - start, dict(COUNTS, read=bytes_read() - read), peak
 
 
 def measure(make, ranks, repeats):
     """The busiest rank's samples, bytes and peak batch, and its slowest epoch time."""
-    worst = {"samples": 0, "bytes": 0, "peak": 0, "seconds": 0.0}
+    worst = {"samples": 0, "bytes": 0, "read": 0, "peak": 0, "seconds": 0.0}
     for rank in range(ranks):
         dataset = data.distribute(make(), rank, ranks)
+        one_epoch(dataset)  # the first epoch also scans record headers or line ends, once
         seconds, counts, peak = one_epoch(dataset)
         if repeats:
             seconds = min(one_epoch(dataset)[0] for _ in range(repeats))
         worst = {"samples": max(worst["samples"], counts["samples"]), "bytes": max(worst["bytes"], counts["bytes"]),
-                 "peak": max(worst["peak"], peak), "seconds": max(worst["seconds"], seconds)}
+                 "read": max(worst["read"], counts["read"]), "peak": max(worst["peak"], peak),
+                 "seconds": max(worst["seconds"], seconds)}
     return worst
 
 
@@ -138,12 +180,14 @@ def main():
                 rows.append((name, ranks, result, serial))
     print(f"{args.samples} samples, global batch {args.batch}; per epoch, busiest rank; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print("| pipeline | p | samples | of p=1 | MB read | batch KB | of global | epoch s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| pipeline | p | samples | of p=1 | MB mapped | MB read | of p=1 | batch KB | of global | epoch s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, ranks, result, serial in rows:
         seconds = f"{result['seconds']:.2f}" if ranks < 4 else "not timed"
+        read_share = f"{result['read'] / serial['read']:.2f}" if serial["read"] > 1e5 else "-"  # else no files
         print(f"| {name} | {ranks} | {result['samples']} | {result['samples'] / serial['samples']:.2f} | "
-              f"{result['bytes'] / 1e6:.2f} | {result['peak'] / 1024:.0f} | {result['peak'] / serial['peak']:.2f} | "
+              f"{result['bytes'] / 1e6:.2f} | {result['read'] / 1e6:.2f} | {read_share} | "
+              f"{result['peak'] / 1024:.0f} | {result['peak'] / serial['peak']:.2f} | "
               f"{seconds} |")
     failed = [f"{name} p={ranks}" for name, ranks, result, serial in rows
               if (ranks == 2 and (result["samples"] > 0.55 * serial["samples"] or result["peak"] > 0.55 * serial["peak"]))

@@ -161,14 +161,13 @@ def _own_micro_batches(chain, batch_index, base, rank, size):
     per_sample = [_reuse(node._map_func) for node in maps]
     parallel = [_static(node._num_parallel_calls) for node in maps if hasattr(node, "_num_parallel_calls")]
     parallel = tf.data.AUTOTUNE if tf.data.AUTOTUNE in parallel else max(parallel, default=None)
-    record_index = _record_index(base) if all(
-        type(node).__name__ in _POSITION_ONLY for node in chain[:first_split]) else None
+    record_index, read, why_whole = _record_index(chain, first_split, base)
     if record_index is not None:  # each rank reads only its own records' bytes, in a map of its own
-        samples = _with_seeds(chain, first_split, record_index, rebuild_all=True)
-        per_sample.insert(0, _read_record)
+        samples = record_index
+        per_sample.insert(0, read)
         parallel = parallel or tf.data.AUTOTUNE
     else:
-        _explain_work_on_every_rank(chain, first_split, base)
+        _explain_work_on_every_rank(chain, first_split, base, why_whole)
         samples = _with_seeds(chain, first_split, base)
     micro_batches = _micro_batches_of_rank(samples, per_sample, parallel, chain[batch_index], rank, size)
     for node in chain[batch_index + 1:]:
@@ -178,30 +177,151 @@ def _own_micro_batches(chain, batch_index, base, rank, size):
 
 # Transformations whose output depends only on the positions of their input elements.
 _POSITION_ONLY = {"_ShuffleDataset", "_RepeatDataset", "_TakeDataset", "_SkipDataset", "_PrefetchDataset"}
+_RECORD_READERS = {"TFRecordDatasetV2": "TFRecord", "TextLineDatasetV2": "TextLine"}
 
 
-def _record_index(dataset):
-    """For a TFRecordDataset over a fixed list of uncompressed files, read in order: a dataset of
-    (file, offset, length), one per record, in the same order. Else None.
+def _record_index(chain, first_split, base):
+    """The samples below the split maps, as (file, offset, length) of each record in the serial
+    order, when they are the records of uncompressed TFRecord or text files: a reader over a list
+    (or dataset) of files, or an interleave of readers, then only position-only transformations.
 
-    Only the 12-byte record headers are read, so a rank can then read just its own records."""
-    if type(dataset).__name__ != "TFRecordDatasetV2" or dataset._num_parallel_reads is not None or \
-            (dataset._compression_type is not None and tf.get_static_value(dataset._compression_type) != b"") or \
-            type(dataset._filenames).__name__ != "_TensorSliceDataset":
-        return None
-    files, offsets, lengths = [], [], []
-    for path in dataset._filenames.as_numpy_iterator():
+    Returns (index, the split map that reads one record, None), or (None, None, why every rank
+    reads every record) where this cannot be done (why is None if no file reader is involved)."""
+    interleaves = [i for i in range(first_split) if type(chain[i]).__name__ in _INTERLEAVES]
+    if interleaves:
+        node = chain[interleaves[-1]]
+        above = chain[interleaves[-1] + 1:first_split]
+        kind, compression = _reader_in(node)
+        if kind is None:
+            return None, None, (f"the {_name(node)} whose function is not just a TFRecordDataset or "
+                                "TextLineDataset of its file name")
+        files = _with_seeds(chain, interleaves[-1], base)
+        cycle_length, block_length = _static(node._cycle_length), _static(node._block_length)
+        parallel = getattr(node, "_num_parallel_calls", None)
+        reader = f"{_name(node)} of {kind}Datasets"
+        if _may_reorder(node):
+            _info_once("tarantella: the %s runs with deterministic=False, which has no serial order to keep; "
+                       "every rank reads in its deterministic order.", _name(node))
+    elif type(base).__name__ in _RECORD_READERS:
+        above = chain[:first_split]
+        kind, compression = _RECORD_READERS[type(base).__name__], _constant_string(base._compression_type)
+        files = base._filenames  # its shuffles are seeded: _check_seeds_outside saw to that
+        # num_parallel_reads lives only in the reader's implementation: a flat_map, or an interleave
+        sequential = type(base._impl).__name__ == "_FlatMapDataset"
+        cycle_length, block_length = (1, 1) if sequential else (_static(base._impl._cycle_length), 1)
+        parallel = None if sequential else cycle_length
+        reader = f"{kind}Dataset" + ("" if sequential else " with num_parallel_reads")
+    else:
+        return None, None, None
+    if files.element_spec != tf.TensorSpec([], tf.string):
+        return None, None, f"the {reader} of elements that are not single file names"
+    if compression != "":
+        return None, None, (f"the {reader} of {compression or 'possibly'} compressed files (compressed "
+                            "bytes cannot be skipped; each rank still parses and maps only its own records)")
+    if not isinstance(cycle_length, int) or cycle_length < 1 or not isinstance(block_length, int):
+        return None, None, (f"the {reader} whose cycle length is AUTOTUNE (it depends on the machine); "
+                            "give an integer cycle_length or num_parallel_reads")
+    moved = [transformation for transformation in above if type(transformation).__name__ not in _POSITION_ONLY]
+    if moved:
+        return None, None, f"the {reader}, followed by a {_name(moved[0])} before the maps that parse"
+    index = files.interleave(_records_of_file(kind), cycle_length=cycle_length, block_length=block_length,
+                             num_parallel_calls=parallel, deterministic=True if parallel is not None else None)
+    read = _read_record if kind == "TFRecord" else _read_line
+    return _with_seeds(above, len(above), index, rebuild_all=True), read, None
+
+
+def _reader_in(interleave):
+    """(kind, compression) if the interleave's function is exactly TFRecordDataset(file) or
+    TextLineDataset(file) with a constant compression (any buffer size), else (None, None).
+
+    Compared by the op types and string constants of the traced functions, so a function that
+    changes the file name, or transforms the records, does not match."""
+    signature = _reader_signature(interleave._map_func.function.graph)
+    matches = [reader for reader, reference in _reference_readers().items() if reference == signature]
+    return matches[0] if matches else (None, None)
+
+
+def _constant_string(tensor):
+    """A reader's compression type as a str ("" for none), or None if it is not a constant."""
+    value = tf.get_static_value(tf.convert_to_tensor("" if tensor is None else tensor, tf.string))
+    return None if value is None else value.decode()
+
+
+def _reader_signature(graph):
+    graph_def = graph.as_graph_def()
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    strings = [bytes(n.attr["value"].tensor.string_val[0]) if n.attr["value"].tensor.string_val else b""
+               for n in nodes if n.op == "Const" and n.attr["dtype"].type == tf.string.as_datatype_enum]
+    return sorted(n.op for n in nodes), sorted(strings)
+
+
+_references = {}
+
+
+def _reference_readers():
+    if not _references:
+        names = tf.data.Dataset.from_tensors("file")
+        for kind, reader in (("TFRecord", tf.data.TFRecordDataset), ("TextLine", tf.data.TextLineDataset)):
+            for compression in ("", "GZIP", "ZLIB"):
+                interleave = names.interleave(
+                    lambda name, reader=reader, compression=compression: reader(name, compression_type=compression))
+                _references[kind, compression] = _reader_signature(interleave._map_func.function.graph)
+    return _references
+
+
+def _records_of_file(kind):
+    find = _tfrecord_positions if kind == "TFRecord" else _line_positions
+
+    @tf.autograph.experimental.do_not_convert
+    def records(path):
+        offsets, lengths = tf.numpy_function(find, [path], (tf.int64, tf.int64), stateful=False)
+        offsets, lengths = tf.ensure_shape(offsets, [None]), tf.ensure_shape(lengths, [None])
+        return tf.data.Dataset.from_tensor_slices((tf.fill(tf.shape(offsets), path), offsets, lengths))
+
+    return records
+
+
+_positions = {}  # per process: files are scanned once, not every epoch
+
+
+def _scanned_once(scan):
+    def positions(path):
         path = os.fsdecode(path)
-        with open(path, "rb") as records:
-            end, offset = os.fstat(records.fileno()).st_size, 0
-            while offset < end:
-                records.seek(offset)
-                length, = struct.unpack("<Q", records.read(8))
-                files.append(path)
-                offsets.append(offset + 12)  # after the length and its checksum
-                lengths.append(length)
-                offset += 12 + length + 4  # the record and its checksum
-    return tf.data.Dataset.from_tensor_slices((files, np.array(offsets, np.int64), np.array(lengths, np.int64)))
+        status = os.stat(path)
+        key = (scan.__name__, path, status.st_size, status.st_mtime_ns)
+        if key not in _positions:
+            _positions[key] = scan(path, status.st_size)
+        return _positions[key]
+    positions.__name__ = scan.__name__
+    return positions
+
+
+@_scanned_once
+def _tfrecord_positions(path, end):
+    """Offsets and lengths of a TFRecord file's records, from their 12-byte headers only."""
+    offsets, lengths, offset = [], [], 0
+    with open(path, "rb") as records:
+        while offset < end:
+            length, = struct.unpack("<Q", os.pread(records.fileno(), 8, offset))
+            offsets.append(offset + 12)  # after the length and its checksum
+            lengths.append(length)
+            offset += 12 + length + 4  # the record and its checksum
+    return np.array(offsets, np.int64), np.array(lengths, np.int64)
+
+
+@_scanned_once
+def _line_positions(path, end):
+    """Offsets and lengths of a text file's lines (without the newline), scanned for newlines."""
+    newlines = []
+    with open(path, "rb") as lines:
+        for start in range(0, end, 1 << 22):
+            chunk = np.frombuffer(os.pread(lines.fileno(), 1 << 22, start), np.uint8)
+            newlines.append(np.flatnonzero(chunk == ord("\n")) + start)
+    ends = np.concatenate(newlines + [np.zeros(0, np.int64)]).astype(np.int64)
+    if end and (not len(ends) or ends[-1] != end - 1):  # a last line without a newline
+        ends = np.append(ends, end)
+    starts = np.concatenate([[0], ends[:-1] + 1])[:len(ends)].astype(np.int64)  # none in an empty file
+    return starts, ends - starts
 
 
 def _read_bytes(path, offset, length):
@@ -213,6 +333,12 @@ def _read_bytes(path, offset, length):
 @tf.autograph.experimental.do_not_convert
 def _read_record(path, offset, length):
     return tf.ensure_shape(tf.numpy_function(_read_bytes, [path, offset, length], tf.string, stateful=False), [])
+
+
+@tf.autograph.experimental.do_not_convert
+def _read_line(path, offset, length):
+    # TextLineDataset drops every carriage return of a line, not only one before the newline
+    return tf.strings.regex_replace(_read_record(path, offset, length), "\r", "")
 
 
 def _micro_batches_of_rank(samples, per_sample, parallel, batch_node, rank, size):
@@ -288,7 +414,7 @@ def _no_rows(spec):
     return tf.zeros([0] + [0 if d is None else d for d in spec.shape.as_list()[1:]], spec.dtype)
 
 
-def _explain_work_on_every_rank(chain, first_split, base):
+def _explain_work_on_every_rank(chain, first_split, base, why_whole):
     """One INFO line for per-sample work that every rank does for every sample."""
     unsplit_maps = [i for i in range(first_split) if type(chain[i]).__name__ in _MAPS]
     if unsplit_maps:
@@ -296,13 +422,12 @@ def _explain_work_on_every_rank(chain, first_split, base):
         _info_once("tarantella: a map runs on every rank for every sample, because the %s after it, before "
                    "batch(), needs every sample to keep the serial order. Put it before the map to split "
                    "the map across ranks.", _name(blocker))
-    readers = [node for node in _nodes_below(base) if type(node).__name__ in _FILE_READERS + _INTERLEAVES]
-    readers += [node for node in chain[:first_split] if type(node).__name__ in _INTERLEAVES]
-    if readers:
-        _info_once("tarantella: every rank reads every record that the %s yields, to keep the serial sample "
-                   "order. To read about 1/p of the bytes per rank, read files in a map before batch(), or "
-                   "use one TFRecordDataset over the list of files (see 'File sources' in docs/guide.md).",
-                   _name(readers[0]))
+    if why_whole is None:
+        readers = [node for node in _nodes_below(base) if type(node).__name__ in _FILE_READERS + _INTERLEAVES]
+        why_whole = f"the {_name(readers[0])} below a transformation tarantella cannot rebuild" if readers else None
+    if why_whole:
+        _info_once("tarantella: every rank reads every record, to keep the serial sample order, because of %s. "
+                   "To read about 1/p of the bytes per rank, see 'File sources' in docs/guide.md.", why_whole)
 
 
 def _name(node):

@@ -86,9 +86,12 @@ class DistributedStep:
 
         metrics = _unique(self._model.metrics)
         variables = _unique([v for metric in metrics for v in metric.variables])
-        saved = [tf.identity(v.value) for v in variables]
-        for variable in variables:
-            variable.assign(tf.zeros(variable.shape, variable.dtype))
+        # Only once the batch exists: when a dataset of unknown length ends, Keras' call of the step
+        # fails at get_next, and TF may already have run whatever does not wait for the data.
+        with tf.control_dependencies([samples]):
+            saved = [tf.identity(v.value) for v in variables]
+            for variable in variables:
+                variable.assign(tf.zeros(variable.shape, variable.dtype))
         with step.tracing(metrics, self.optimizers(), getattr(self._model, "_compile_loss", None)):
             logs = step_function(data)
         known = {id(v) for v in variables}

@@ -262,7 +262,7 @@ def test_info_lines_name_what_every_rank_does_in_full(caplog):
     with caplog.at_level("INFO", logger="tarantella"):
         data.distribute(PIPELINES["map-then-filter"](), 0, 2)
         data.distribute(tensor_slices().map(COUNTED_MAPS["random"]).batch(8), 0, 2)
-        data.distribute(PIPELINES["interleaved-records"](), 0, 2)
+        data.distribute(PIPELINES["interleaved-records"](), 0, 2)  # reads 1/p, but has no serial order
         data.distribute(PIPELINES["stateless-random-map"](), 0, 2)  # splits exactly: says nothing
         data.distribute(PIPELINES["shuffled-records"](), 0, 2)  # reads only its own records: says nothing
     said = lambda: [record.getMessage() for record in caplog.records if record.name == "tarantella"]
@@ -270,7 +270,7 @@ def test_info_lines_name_what_every_rank_does_in_full(caplog):
     assert len(lines) == 3, lines
     assert "map runs on every rank for every sample, because the Filter after it" in lines[0]
     assert "draws random numbers" in lines[1] and "per-rank streams" in lines[1]
-    assert "reads every record that the ParallelInterleave yields" in lines[2]
+    assert "ParallelInterleave runs with deterministic=False, which has no serial order to keep" in lines[2]
     data.distribute(PIPELINES["map-then-filter"](), 1, 2)
     assert said() == lines, "each line is said once per process"
 
@@ -314,8 +314,16 @@ def test_tensorflow_still_has_the_private_attributes_tarantella_reads():
             assert hasattr(dataset, attribute), f"{type(dataset).__name__}.{attribute}"
     records = tf.data.TFRecordDataset(record_files())
     assert type(records).__name__ == "TFRecordDatasetV2" and type(records._filenames).__name__ == "_TensorSliceDataset"
-    assert records._num_parallel_reads is None and records._compression_type is None
-    assert data._record_index(records) is not None
+    assert records._compression_type is None and type(records._impl).__name__ == "_FlatMapDataset"
+    parallel_reads = tf.data.TextLineDataset(record_files(), num_parallel_reads=2)
+    assert type(parallel_reads).__name__ == "TextLineDatasetV2" and parallel_reads._compression_type is None
+    assert int(parallel_reads._impl._cycle_length) == 2 and type(parallel_reads._filenames).__name__ == "_TensorSliceDataset"
+    # interleave functions are recognised as readers by their traced ops (data._reader_in)
+    files = tf.data.Dataset.from_tensor_slices(record_files())
+    assert data._reader_in(files.interleave(tf.data.TFRecordDataset)) == ("TFRecord", "")
+    assert data._reader_in(files.interleave(lambda f: tf.data.TextLineDataset(f, "GZIP", 1024))) == ("TextLine", "GZIP")
+    assert data._reader_in(files.interleave(lambda f: tf.data.TFRecordDataset(f).take(3))) == (None, None)
+    assert data._reader_in(files.interleave(lambda f: tf.data.TFRecordDataset(f + ".gz"))) == (None, None)
     map_func = source.map(lambda x, y: (x, y))._map_func
     assert hasattr(map_func, "_input_structure") and hasattr(map_func, "output_structure")
     assert data._may_reorder(PIPELINES["interleaved-records"]()._input_dataset._input_dataset)

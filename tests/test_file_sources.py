@@ -1,0 +1,169 @@
+"""Record files read about 1/p per rank: interleaves of TFRecordDatasets, num_parallel_reads and
+TextLineDataset. Rank micro-batches together are exactly the serial global batches, and each rank
+reads (by offset) exactly the records it trains on. Compressed files and shapes that cannot be
+indexed are read whole by every rank, still split exactly, with one INFO line naming the reason.
+
+Runs in one process: every rank's dataset is built and iterated here.
+"""
+
+import gzip
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tarantella import data
+
+RECORDS_PER_FILE = [40, 7, 0, 56]  # uneven, one empty: interleave cycles refill at different times
+N = sum(RECORDS_PER_FILE)
+FILES = None
+
+
+def record_files(suffix=""):
+    return [str(FILES / f"part{part}.tfrecord{suffix}") for part in range(len(RECORDS_PER_FILE))]
+
+
+def text_files():
+    return [str(FILES / f"part{part}.csv") for part in range(2)]
+
+
+def parse_record(record):
+    value = tf.strings.to_number(record, tf.float32)
+    return tf.fill([2], value), tf.cast(value, tf.int64) % 5
+
+
+def parse_line(line):
+    value, label = tf.io.decode_csv(line, [0.0, 0])
+    return tf.fill([2], value), label
+
+
+@pytest.fixture(scope="module", autouse=True)
+def files(tmp_path_factory):
+    global FILES
+    FILES = tmp_path_factory.mktemp("records")
+    first = 0
+    for part, count in enumerate(RECORDS_PER_FILE):
+        for suffix, options in (("", None), (".gz", "GZIP")):
+            with tf.io.TFRecordWriter(str(FILES / f"part{part}.tfrecord{suffix}"), options) as writer:
+                for i in range(first, first + count):
+                    writer.write(str(i).encode())
+        first += count
+    # Windows line ends, a blank-free last line without a newline: read as TextLineDataset reads them
+    (FILES / "part0.csv").write_bytes(b"".join(b"%d,%d\r\n" % (i, i % 3) for i in range(60)))
+    (FILES / "part1.csv").write_bytes(b"\n".join(b"%d,%d" % (i, i % 3) for i in range(60, N)))
+
+
+# Shapes whose records are indexed: each rank reads only its own.
+INDEXED = {
+    "interleave": lambda: tf.data.Dataset.from_tensor_slices(record_files()).interleave(
+        tf.data.TFRecordDataset, cycle_length=2, block_length=3).map(parse_record).batch(16),
+    "list-files-parallel-interleave": lambda: tf.data.Dataset.list_files(str(FILES / "*.tfrecord"), seed=7).interleave(
+        lambda name: tf.data.TFRecordDataset(name, buffer_size=1024), cycle_length=3, num_parallel_calls=2,
+        deterministic=True).shuffle(30, seed=2).map(parse_record, num_parallel_calls=2).batch(10),
+    "num-parallel-reads": lambda: tf.data.TFRecordDataset(record_files(), num_parallel_reads=3).repeat(2).take(
+        150).map(parse_record).batch(16, drop_remainder=True),
+    "text-lines": lambda: tf.data.TextLineDataset(text_files()).map(parse_line).batch(12),
+}
+# Read whole by every rank (the split maps still run only for a rank's own samples).
+READ_WHOLE = {
+    "gzip-records": lambda: tf.data.TFRecordDataset(record_files(".gz"), compression_type="GZIP").map(
+        parse_record).batch(16),
+    "interleave-then-filter": lambda: tf.data.Dataset.from_tensor_slices(record_files()).interleave(
+        tf.data.TFRecordDataset, cycle_length=2).filter(lambda r: tf.strings.length(r) > 1).map(
+        parse_record).batch(16),
+}
+PIPELINES = {**INDEXED, **READ_WHOLE}
+# Samples entering batch() per epoch, where it drops an incomplete last batch (whose samples are still read).
+STREAM = {"num-parallel-reads": 150}
+# Both interleaves share one shape: one runs on 2 ranks, the other on 3, to keep the test fast.
+CASES = [("interleave", 2), ("list-files-parallel-interleave", 3)] + \
+    [(name, ranks) for name in ("num-parallel-reads", "text-lines") for ranks in (2, 3)] + \
+    [(name, 3) for name in READ_WHOLE]
+
+
+def batches(dataset, epochs):
+    return [tf.nest.map_structure(lambda t: t.numpy(), element) for _ in range(epochs) for element in dataset]
+
+
+@pytest.mark.parametrize("pipeline,ranks", CASES)
+def test_ranks_together_yield_the_serial_batches_and_read_only_their_records(pipeline, ranks, monkeypatch):
+    epochs = 2 if pipeline == "list-files-parallel-interleave" else 1  # files are reshuffled each epoch
+    reference = batches(PIPELINES[pipeline](), epochs)
+    read, original = [], data._read_bytes
+
+    def read_and_note(path, offset, length):
+        read.append((path, int(offset), int(length)))
+        return original(path, offset, length)
+
+    monkeypatch.setattr(data, "_read_bytes", read_and_note)
+    shards, reads = [], []
+    for rank in range(ranks):
+        read.clear()
+        shards.append(batches(data.distribute(PIPELINES[pipeline](), rank, ranks), epochs))
+        reads.append(list(read))
+    for shard in shards:
+        assert len(shard) == len(reference), "every rank must run the same number of steps"
+    for step, global_batch in enumerate(reference):
+        rows = len(global_batch[1])
+        assert [len(shard[step][1]) for shard in shards] == [data.micro_batch_size(rows, r, ranks) for r in range(ranks)]
+        for position, leaf in enumerate(global_batch):
+            rebuilt = np.empty_like(leaf)
+            for rank, shard in enumerate(shards):
+                rebuilt[rank::ranks] = shard[step][position]
+            np.testing.assert_array_equal(rebuilt, leaf, err_msg=f"{pipeline}, step {step}")
+    if pipeline in READ_WHOLE:
+        assert not any(reads), "read whole through TensorFlow's reader"
+        return
+    stream = STREAM.get(pipeline, sum(len(labels) for _, labels in reference) // epochs)
+    batch_size = len(reference[0][1])
+    for rank in range(ranks):  # one read per own sample, of that record's bytes only
+        owned = sum(position % batch_size % ranks == rank for position in range(stream))
+        assert len(reads[rank]) == owned * epochs, f"rank {rank}"
+    everything = sorted(r for rank_reads in reads for r in rank_reads)
+    assert len(set(everything)) == min(stream, N), "no record is read by two ranks in one epoch"
+    total = sum(length for _, _, length in everything)
+    for rank_reads in reads:  # a rank reads about 1/p of the bytes
+        assert sum(length for _, _, length in rank_reads) <= total / ranks + 3 * len(reference)
+
+
+def test_text_lines_are_read_as_text_line_dataset_reads_them(tmp_path):
+    paths = [str(tmp_path / "lines.txt"), str(tmp_path / "empty.txt")]
+    (tmp_path / "lines.txt").write_bytes(b"one\r\ntwo\n\nthr\ree\r\r\n\nlast\r")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    serial = list(tf.data.TextLineDataset(paths).as_numpy_iterator())
+    shards = [list(data.distribute(tf.data.TextLineDataset(paths).batch(4), rank, 2).unbatch().as_numpy_iterator())
+              for rank in range(2)]
+    assert sorted(shards[0] + shards[1]) == sorted(serial) and len(serial) == 6
+
+
+def interleave_of(reader, **options):
+    return tf.data.Dataset.from_tensor_slices(record_files()).interleave(reader, **options).map(
+        parse_record).batch(16)
+
+
+def test_info_lines_say_why_every_rank_reads_every_record(caplog):
+    data._said.clear()
+    with caplog.at_level("INFO", logger="tarantella"):
+        data.distribute(PIPELINES["gzip-records"](), 0, 2)
+        data.distribute(interleave_of(lambda name: tf.data.TFRecordDataset(name, "ZLIB"), cycle_length=2), 0, 2)
+        data.distribute(interleave_of(tf.data.TFRecordDataset, num_parallel_calls=tf.data.AUTOTUNE), 0, 2)
+        data.distribute(interleave_of(lambda name: tf.data.TFRecordDataset(name).skip(1), cycle_length=2), 0, 2)
+        data.distribute(interleave_of(tf.data.TFRecordDataset, cycle_length=2, num_parallel_calls=2,
+                                      deterministic=False), 0, 2)
+        data.distribute(PIPELINES["interleave-then-filter"](), 0, 2)
+        data.distribute(INDEXED["interleave"](), 0, 2)  # reads 1/p: says nothing
+    lines = [record.getMessage() for record in caplog.records if record.name == "tarantella"]
+    assert len(lines) == 6, lines
+    assert "because of the TFRecordDataset of GZIP compressed files" in lines[0]
+    assert "because of the Interleave of TFRecordDatasets of ZLIB compressed files" in lines[1]
+    assert "ParallelInterleave of TFRecordDatasets whose cycle length is AUTOTUNE" in lines[2]
+    assert "Interleave whose function is not just a TFRecordDataset or TextLineDataset" in lines[3]
+    assert "ParallelInterleave runs with deterministic=False, which has no serial order to keep" in lines[4]
+    assert "Interleave of TFRecordDatasets, followed by a Filter" in lines[5]
+    assert all("'File sources' in docs/guide.md" in line for line in lines[:4] + lines[5:])
+
+
+def test_gzip_files_exist_as_compressed_bytes():
+    """Guards the read-whole cases above: the .gz files really are compressed."""
+    with gzip.open(record_files(".gz")[0]) as compressed:
+        assert compressed.read() == (FILES / "part0.tfrecord").read_bytes()
