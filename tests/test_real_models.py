@@ -12,6 +12,12 @@ from conftest import WORKERS, assert_ok, launch, load_npz, run_python
 from workers.real_models import CASES
 
 WORKER = WORKERS / "real_models.py"
+# Three ranks split the batches unevenly: they run the cases whose combination depends on the
+# micro-batch sizes (sparse gathers, masked counts, summed losses, sample weights, batch moments,
+# an empty micro-batch). The other custom-step cases run on two ranks only, to save suite time.
+UNEVEN_SPLIT_CASES = ["embedding-adam", "masked-sequence", "conv-single-sample-last-batch", "summed-loss",
+                      "synchronized-batch-normalization", "custom-train-step-sample-weight", "layer-owned-metric"]
+CASES_BY_RANKS = {2: list(CASES), 3: UNEVEN_SPLIT_CASES}
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +32,10 @@ def serial_dir(scratch):
 def test_real_models_and_custom_steps_train_like_serial_keras(ranks, serial_dir, scratch):
     out = scratch / f"real-ranks{ranks}"
     out.mkdir()
-    assert_ok(launch(ranks, WORKER, "--mode", "tnt", "--out", out, timeout=900))
+    cases = CASES_BY_RANKS[ranks]
+    assert_ok(launch(ranks, WORKER, "--mode", "tnt", "--out", out, "--cases", ",".join(cases), timeout=900))
     failures = []
-    for case in CASES:
+    for case in cases:
         serial = load_npz(serial_dir / f"{case}.rank0.npz")
         per_rank = [load_npz(out / f"{case}.rank{rank}.npz") for rank in range(ranks)]
         for rank, result in enumerate(per_rank):
