@@ -575,7 +575,9 @@ def mpi():
 
 
 def _started_by_an_mpi_launcher():
-    return any(os.environ.get(name) for name in _LAUNCHER_VARIABLES)
+    slurm_tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")  # srun; a batch script's own step has 1
+    return any(os.environ.get(name) for name in _LAUNCHER_VARIABLES) or (slurm_tasks.isdigit() and
+                                                                         int(slurm_tasks) > 1)
 
 
 class _SerialComm:
