@@ -36,8 +36,8 @@ if not _started_as_launcher():
                           f"{keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing keras.")
 
     from tarantella.communication import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
-                                          RankLeftError, get_master_rank, get_rank, get_size, init,
-                                          is_master_rank)
+                                          RankFailedError, RankLeftError, get_master_rank, get_rank, get_size,
+                                          init, is_master_rank)
     from tarantella.model import Model, ParallelStrategy
     from tarantella.collectives import (ReductionOp, TensorAllgatherer, TensorAllreducer, TensorBroadcaster,
                                         allgather, allreduce, barrier, broadcast, broadcast_variables)

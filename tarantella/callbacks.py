@@ -61,11 +61,21 @@ class Callback(keras.callbacks.Callback):
         super().set_params(params)
         self.callback.set_params(params)
 
+    @property
+    def async_safe(self):
+        # Keras may dispatch batch hooks asynchronously unless a callback needs them: as the callback it wraps.
+        inner = self.callback
+        return getattr(inner, "async_safe", False) or all(
+            getattr(type(inner), hook) is getattr(keras.callbacks.Callback, hook)
+            for hook in ("on_batch_end", "on_train_batch_end", "on_test_batch_end", "on_predict_batch_end"))
+
     def _call(self, hook, *args, logs=None, local_logs=None):
         if not self.aggregate_logs and local_logs is not None and _distributed(self.model):
             logs = local_logs()
-        scope = contextlib.nullcontext() if self.run_on_all_ranks else saving.master_alone()
-        with scope:
+        if self.run_on_all_ranks:
+            getattr(self.callback, hook)(*args, logs=logs)
+            return
+        with saving.master_alone(), _told_to_every_rank(self.callback, self.model):
             getattr(self.callback, hook)(*args, logs=logs)
 
     def on_train_begin(self, logs=None):
@@ -127,7 +137,7 @@ class _MastersBackupAndRestore(Callback):
 
     def _call(self, hook, *args, logs=None, local_logs=None):
         if self.model._comm.rank == communication.MASTER_RANK:
-            with saving.master_alone():
+            with saving.master_alone(), _told_to_every_rank(self.callback, self.model):
                 getattr(self.callback, hook)(*args, logs=logs)
 
 
@@ -177,11 +187,26 @@ def for_this_rank(callbacks, comm):
         else:
             master_alone = True
             if rank == communication.MASTER_RANK:
-                needs_wrapper = not wrapped.aggregate_logs or not isinstance(inner, _PRINTING_OR_WRITING)
+                # Wrapped, so that its failure reaches every rank; Keras must still recognize its progress bar.
+                needs_wrapper = not wrapped.aggregate_logs or not isinstance(inner, keras.callbacks.ProgbarLogger)
                 chosen.append(wrapped if needs_wrapper else inner)
     if master_alone and comm.size > 1:
         chosen.append(_WaitForMaster(comm))
     return chosen
+
+
+@contextlib.contextmanager
+def _told_to_every_rank(callback, model):
+    """A master-only callback's error is raised here and told to the other ranks, which raise it
+    at their next collective (the wait for the master at the latest) instead of timing out."""
+    try:
+        yield
+    except Exception as error:
+        comm = getattr(model, "_comm", None)
+        if comm is not None and comm.peers is not None:
+            comm.peers.announce_failure(f"{type(callback).__name__} on rank {comm.rank} failed: "
+                                        f"{type(error).__name__}: {error}")
+        raise
 
 
 def _distributed(model):

@@ -258,7 +258,7 @@ def _describe_call(layout):
 
 
 def _allreduce(mpi_comm, arrays, op):
-    from mpi4py import MPI
+    MPI = communication.mpi()
     mpi_op = {ReductionOp.SUM: MPI.SUM, ReductionOp.AVERAGE: MPI.SUM, ReductionOp.PRODUCT: MPI.PROD,
               ReductionOp.MIN: MPI.MIN, ReductionOp.MAX: MPI.MAX}[op]
     results = []

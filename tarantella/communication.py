@@ -1,5 +1,8 @@
 """Ranks and collectives over MPI (mpi4py).
 
+A program started without an MPI launcher where mpi4py or the MPI library is missing runs as
+a single process: a stand-in communicator of one rank, whose collectives return their input.
+
 One worker thread issues every collective of the process, one at a time: synchronous
 calls in program order, the gradient buckets of a step in the order of a static plan
 (while backprop goes on). So collectives on the communicator never race, whatever order
@@ -52,6 +55,10 @@ class RankLeftError(CollectiveError):
 
 class CollectiveMismatchError(CollectiveError):
     """Ranks entered different collectives (e.g. one in evaluate, another in fit)."""
+
+
+class RankFailedError(CollectiveError):
+    """Another rank failed in code only it runs (e.g. a master-only callback) and told this one."""
 
 
 # The first collective error of this process: TensorFlow wraps an error raised inside a step
@@ -180,6 +187,7 @@ class Communicator:
             waited = time.monotonic() - started
             try:
                 if self.peers is not None:
+                    self.peers.raise_if_a_rank_failed()
                     self.peers.raise_if_needed_rank_left(self.current or what)
                 if self.stall_warning_s is not None and not warned and waited >= self.stall_warning_s:
                     warned = True
@@ -198,7 +206,7 @@ class Communicator:
         self.entered += 1
         if self.size == 1:
             return
-        from mpi4py import MPI
+        MPI = mpi()
         code = zlib.crc32(agree_on.encode()) + 1
         codes = np.array([code, -code], np.int64)  # max of both: equal everywhere iff all agree
         self._mpi.Allreduce(MPI.IN_PLACE, codes, op=MPI.MAX)
@@ -262,7 +270,7 @@ class Communicator:
     # -- synchronous collectives --------------------------------------------------
 
     def allreduce_sum(self, array, what):
-        from mpi4py import MPI
+        MPI = mpi()
         result = np.array(array, copy=True, order="C")
         self.run(what, lambda comm: comm.Allreduce(MPI.IN_PLACE, result, op=MPI.SUM),
                  agree_on=f"{what} of {result.dtype}[{result.size}]")
@@ -337,7 +345,7 @@ class Communicator:
         gradient holds all of them, so the slices are concatenated. Rows looked up
         independently of the batch (positions: every rank looks up the same indices) give one
         slice per index holding the sum over the batch, so the values are summed."""
-        from mpi4py import MPI
+        MPI = mpi()
         gathered = self._allgather_rows(indices)
         count = indices.shape[0]
         ranks_alike = gathered.shape[0] == count * self.size and (count == 0 or np.array_equal(
@@ -360,7 +368,7 @@ class Communicator:
 
     def _allreduce_bucket(self, array):
         """Sums `array` over all ranks in place (runs on the worker)."""
-        from mpi4py import MPI
+        MPI = mpi()
         if array.nbytes < _RING_MIN_BYTES or not self._ring_allreduce:
             self._mpi.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
             return
@@ -443,13 +451,14 @@ class _PeerMonitor:
     waiting spins and would take a core from the training.
     """
 
-    _ASK, _ANSWER, _FINISHED = 1, 2, 3
+    _ASK, _ANSWER, _FINISHED, _FAILED = 1, 2, 3, 4
     _POLL_S = 0.05
 
     def __init__(self, side_comm, communicator):
         self._side = side_comm
         self._comm = communicator
         self._finished = {}  # rank -> its (entered, current, last, host) when it finished
+        self._failures = {}  # rank -> what failed there, as it told us
         self._answers = {}
         self._changed = threading.Condition()
         self._sending = []
@@ -482,6 +491,8 @@ class _PeerMonitor:
                         self._answers[source] = message
                     elif tag == self._FINISHED:
                         self._finished[source] = message
+                    elif tag == self._FAILED:
+                        self._failures[source] = message
                     self._changed.notify_all()
             with self._sending_lock:
                 self._sending = [request for request in self._sending if not request.Test()]
@@ -516,23 +527,102 @@ class _PeerMonitor:
             f"rank {self._comm.rank}: {summary}. Every rank must run the same collectives: a rank may "
             "end only when the others need it no more." + _SAVE_HINT * ("save" in what), summary=summary)
 
-    def announce_finished(self):
-        """Tells every rank that this one has finished the program; then stops serving."""
-        state = self._state()
+    def raise_if_a_rank_failed(self):
+        """Raises RankFailedError when another rank told this one that it failed."""
+        with self._changed:
+            failures = sorted(self._failures.items())
+        if failures:
+            rank, failure = failures[0]
+            raise RankFailedError(f"rank {self._comm.rank}: {failure}. The job stops.", summary=failure)
+
+    def announce_failure(self, failure):
+        """Tells every other rank that this one failed (`failure` says how), so that they raise it
+        at their next collective instead of waiting there for the timeout."""
         for rank in range(self._comm.size):
             if rank != self._comm.rank:
-                self._send(rank, self._FINISHED, state)
+                self._send(rank, self._FAILED, failure)
+        self._wait_until_sent()
+
+    def _wait_until_sent(self):
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:  # small messages: done at once unless a rank is gone
             with self._sending_lock:
                 if all(request.Test() for request in self._sending):
                     break
             time.sleep(0.01)
+
+    def announce_finished(self):
+        """Tells every rank that this one has finished the program; then stops serving."""
+        state = self._state()
+        for rank in range(self._comm.size):
+            if rank != self._comm.rank:
+                self._send(rank, self._FINISHED, state)
+        self._wait_until_sent()
         self._stop.set()
         self._thread.join()
 
 
 _world = None
+_MPI = None  # mpi4py's MPI module, or _SerialMPI
+# Set in every rank by the MPI launchers (Hydra, Open MPI, PMIx) and by the `tarantella` command.
+_LAUNCHER_VARIABLES = ("TNT_ANNOUNCE_RANKS", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+
+
+def mpi():
+    """The MPI module collectives use: mpi4py's, or a serial stand-in where no MPI is installed."""
+    init()
+    return _MPI
+
+
+def _started_by_an_mpi_launcher():
+    slurm_tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")  # srun; a batch script's own step has 1
+    return any(os.environ.get(name) for name in _LAUNCHER_VARIABLES) or (slurm_tasks.isdigit() and
+                                                                         int(slurm_tasks) > 1)
+
+
+class _SerialComm:
+    """A communicator of one process, for a serial run without MPI: every collective's result
+    is this process's own contribution."""
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 1
+
+    def Dup(self):
+        return self
+
+    def Split_type(self, *args, **kwargs):
+        return self
+
+    def Free(self):
+        pass
+
+    def Allreduce(self, send, recv=None, op=None):
+        if send is not _SerialMPI.IN_PLACE:
+            np.copyto(recv, send)
+
+    def Bcast(self, buffer, root=0):
+        pass
+
+    def allgather(self, obj):
+        return [obj]
+
+    def Allgatherv(self, send, recv):
+        buffer, _counts = recv
+        np.copyto(buffer, send)
+
+    def Abort(self, status=1):
+        os._exit(status)
+
+
+class _SerialMPI:
+    """Stands in for mpi4py's MPI module (the names tarantella uses) in a serial run without MPI."""
+    IN_PLACE = object()
+    SUM, PROD, MIN, MAX = "sum", "prod", "min", "max"
+    COMM_TYPE_SHARED = None
+    COMM_WORLD = _SerialComm()
 
 
 def init():
@@ -545,12 +635,20 @@ def init():
         return _world
     config.fusion_threshold_bytes()  # bad settings fail here, on every rank, before any collective
     ring_allreduce = config.ring_allreduce()
+    global _MPI
+    missing_mpi = None
     try:
         from mpi4py import MPI
-    except RuntimeError as error:  # mpi4py is installed, but no MPI library
-        raise ImportError(f"tarantella found no MPI library ({str(error).splitlines()[0]}). Install one: pip "
-                          "install 'tarantella[mpich]', or a system MPI (e.g. apt-get install libmpich-dev) "
-                          "and point MPI4PY_LIBMPI at its libmpi.so.") from None
+    except (ImportError, RuntimeError) as error:  # no mpi4py, or mpi4py without an MPI library
+        if _started_by_an_mpi_launcher():
+            raise ImportError(
+                f"tarantella found no MPI ({str(error).splitlines()[0]}), but this process was started as a "
+                "rank of a parallel job. Install MPI for it: pip install 'tarantella[mpich]', or a system "
+                "MPI (e.g. apt-get install libmpich-dev) with mpi4py, pointing MPI4PY_LIBMPI at its "
+                "libmpi.so.") from None
+        missing_mpi = str(error).splitlines()[0] if str(error) else type(error).__name__
+        MPI = _SerialMPI
+    _MPI = MPI
     world = MPI.COMM_WORLD
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     local_rank, local_size = node.Get_rank(), node.Get_size()
@@ -562,6 +660,8 @@ def init():
         # Registered after MPI's own exit handler, so it runs first, while MPI still works.
         atexit.register(_finish, _world)
     _configure_logging(_world.rank)
+    if missing_mpi is not None:
+        logger.info("no MPI (%s): running as a single process, without MPI.", missing_mpi)
     if config.announce_ranks():
         # The line the `tarantella` command needs to name this rank's host should it fail.
         from tarantella.rank_entry import RANK_ANNOUNCEMENT

@@ -611,13 +611,53 @@ def is_batched(dataset):
     return name not in _SAMPLE_SOURCES and name != "_UnbatchDataset"
 
 
+class EpochOrder(keras.callbacks.Callback):
+    """Gives each epoch of fit the sample order of that epoch in an uninterrupted run, also when
+    fit starts at a later epoch k (initial_epoch, or BackupAndRestore resuming).
+
+    A shuffle with reshuffle_each_iteration draws each new iterator's order from a seed
+    generator, so an epoch's order depends on how many iterators fit created before it. Before
+    epoch k, the dataset therefore creates as many iterators as an uninterrupted fit would have,
+    and drops them (creating one draws its seeds and reads no data). A PyDataset's batch order
+    is drawn from the epoch number itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.epoch = 0
+        self._dataset = None
+        self._started = False
+
+    def skip_earlier_passes_of(self, dataset):
+        self._dataset = dataset
+
+    def on_train_begin(self, logs=None):
+        self._started = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+        if not self._started and self._dataset is not None:
+            for _ in range(keras_iterators_before(epoch, int(self._dataset.cardinality()) >= 0)):
+                iter(self._dataset)
+        self._started = True
+
+
+def keras_iterators_before(epoch, batches_known):
+    """How many iterators Keras' fit (without steps_per_epoch) creates on its dataset before `epoch`.
+
+    Keras creates one at the start of every epoch and, when the dataset's cardinality tells it
+    the number of batches, another one (unused) as soon as an epoch has seen them all. (Checked
+    against Keras in tests/test_keras_internals.py.)"""
+    return 2 * epoch if batches_known else epoch
+
+
 def global_batches(method, x, y=None, sample_weight=None, batch_size=None, micro_batch_size=None,
-                   ranks=1, shuffle=False):
+                   ranks=1, shuffle=False, epoch_order=None):
     """The user's input as a tf.data.Dataset of global batches.
 
     `ranks` is how many micro-batches make a global batch: the number of ranks when tarantella
     distributes the data, 1 when each rank passes its own shard. Datasets, NumPy arrays (and
-    dicts or tuples of them, and tensors) and keras.utils.PyDataset are accepted."""
+    dicts or tuples of them, and tensors) and keras.utils.PyDataset are accepted. A shuffled
+    PyDataset takes each epoch's number from `epoch_order` (an EpochOrder) if given."""
     if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or
                                          not isinstance(micro_batch_size, int) or micro_batch_size < 1):
         raise ValueError(f"tnt_micro_batch_size must be a positive integer; got {micro_batch_size!r}.")
@@ -627,7 +667,7 @@ def global_batches(method, x, y=None, sample_weight=None, batch_size=None, micro
         return _batched_as_asked(x, wanted, micro_batch_size, ranks)
     if isinstance(x, keras.utils.PyDataset):
         _refuse_separate_arrays(method, "a keras.utils.PyDataset", y, sample_weight, batch_size)
-        return _from_py_dataset(x, wanted, micro_batch_size, ranks, shuffle)
+        return _from_py_dataset(x, wanted, micro_batch_size, ranks, shuffle, epoch_order)
     if not _is_arrays(x):
         raise TypeError(
             f"tnt.Model.{method} takes a tf.data.Dataset, NumPy arrays (or dicts/tuples of them) or a "
@@ -710,7 +750,7 @@ def _batched_as_asked(dataset, wanted, micro_batch_size, ranks):
     return dataset
 
 
-def _from_py_dataset(py_dataset, wanted, micro_batch_size, ranks, shuffle):
+def _from_py_dataset(py_dataset, wanted, micro_batch_size, ranks, shuffle, epoch_order):
     batches = py_dataset.num_batches
     if batches is None:
         raise ValueError("tarantella needs a PyDataset with a known length (num_batches); an endless one "
@@ -729,7 +769,8 @@ def _from_py_dataset(py_dataset, wanted, micro_batch_size, ranks, shuffle):
     def generate():
         order = np.arange(batches)
         if shuffle:  # Keras shuffles the batch order each epoch; here seeded, alike on every rank
-            np.random.default_rng([config.DEFAULT_SHUFFLE_SEED, next(epochs)]).shuffle(order)
+            epoch = next(epochs) if epoch_order is None else epoch_order.epoch
+            np.random.default_rng([config.DEFAULT_SHUFFLE_SEED, epoch]).shuffle(order)
         for index in order:
             yield py_dataset[int(index)]
         py_dataset.on_epoch_end()

@@ -196,8 +196,16 @@ class Model(keras.Model):
         # Keras warns that shuffle=True does nothing for a dataset; for arrays and PyDatasets,
         # which tarantella turns into datasets and shuffles itself, it would warn where Keras does not.
         keras_shuffle = shuffle if isinstance(x, tf.data.Dataset) else False
+        epoch_order = data.EpochOrder()
+        users_dataset = x if isinstance(x, tf.data.Dataset) else None
         x = self._input("fit", x, y, sample_weight, batch_size, tnt_micro_batch_size, tnt_distribute_dataset,
-                        shuffle)
+                        shuffle, epoch_order)
+        # Keras keeps one iterator across epochs with steps_per_epoch; a dataset an earlier fit
+        # iterated goes on from its own passes, as in Keras.
+        if steps_per_epoch is None and not getattr(users_dataset, "_tarantella_fitted", False):
+            epoch_order.skip_earlier_passes_of(x)
+        if users_dataset is not None:
+            users_dataset._tarantella_fitted = True
         if validation_data is not None:
             val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(validation_data)
             validation_data = self._input(
@@ -211,7 +219,7 @@ class Model(keras.Model):
         if self._distributed:
             self._prepare(x.element_spec, compiled_state=True)
             self._warn_small_batch_normalization_batches(x, tnt_distribute_dataset)
-        callbacks = self._callbacks_for_this_rank(callbacks)
+        callbacks = self._callbacks_for_this_rank(callbacks) + [epoch_order]
         with self._keras_output_on_master_only():
             history = super().fit(
                 x, epochs=epochs, verbose=self._verbosity(verbose), callbacks=callbacks,
@@ -339,11 +347,12 @@ class Model(keras.Model):
         if not self.compiled:
             raise RuntimeError(f"Call model.compile(optimizer, loss, metrics) before model.{method}().")
 
-    def _input(self, method, x, y, sample_weight, batch_size, micro_batch_size, distribute, shuffle=False):
+    def _input(self, method, x, y, sample_weight, batch_size, micro_batch_size, distribute, shuffle=False,
+               epoch_order=None):
         """The rank's dataset: global batches built from the user's input, then split (if asked)."""
         ranks = self._comm.size if distribute else 1
         dataset = data.global_batches(method, x, y, sample_weight, batch_size, micro_batch_size, ranks,
-                                      shuffle)
+                                      shuffle, epoch_order)
         if not distribute:
             logger.info("%s: automatic data distribution is off; each rank uses the dataset it passed.",
                         method)

@@ -170,3 +170,24 @@ def test_a_fusion_threshold_that_is_not_a_number_is_refused():
     process = launch(2, SCENARIOS, "identity", options=["-x", "TNT_FUSION_THRESHOLD=big"], timeout=120)
     assert process.returncode != 0
     assert "TNT_FUSION_THRESHOLD='big' is not a number of kilobytes" in process.stderr
+
+
+@pytest.mark.parametrize("kind, failure", [
+    ("checkpoint", r"FailingCheckpoint on rank 0 failed: NotADirectoryError: \[Errno 20\] Not a directory: '[^']*'"),
+    ("nospace", r"NoSpaceLeft on rank 0 failed: OSError: \[Errno 28\] No space left on device"),
+])
+def test_a_failing_master_only_callback_fails_every_rank_with_its_error_within_seconds(tmp_path, kind, failure):
+    # The checkpoint fails at the end of epoch 2, where rank 1 waits for the master's callbacks;
+    # the other in the middle of epoch 2, where rank 1 is in the next step's collectives.
+    process = launch(2, SCENARIOS, "master-callback-fails", kind, tmp_path, timeout=120)
+    ended = time.time()
+    failed_at = float(re.search(r"rank 0: failing at ([\d.]+)", process.stderr).group(1))
+    assert process.returncode == 1, process.stderr
+    assert ended - failed_at < 5, f"the job ended {ended - failed_at:.1f} s after the master's callback failed"
+    assert re.search(f"RankFailedError: rank 1: {failure}. The job stops.", process.stderr), process.stderr
+    assert re.search(f"tarantella: rank 1 on host {re.escape(socket.gethostname())} failed with RankFailedError: "
+                     f"{failure}; stopping all ranks.", process.stderr), process.stderr
+    error = "NotADirectoryError" if kind == "checkpoint" else "OSError"
+    assert process.stderr.strip().splitlines()[-1] == \
+        f"tarantella: the job failed (exit status 1): rank 0 on host {socket.gethostname()} raised {error}."
+    assert "did not complete within" not in process.stderr and "UnknownError" not in process.stderr

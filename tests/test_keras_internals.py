@@ -57,3 +57,25 @@ def test_synchronized_batch_normalization_computes_its_moments_in_the_function_t
     finally:
         distributed_step.keras_tensorflow_nn._compute_moments_sync = original
     assert calls, "BatchNormalization(synchronized=True) no longer calls _compute_moments_sync"
+
+
+def test_keras_fit_creates_as_many_iterators_before_each_epoch_as_tarantella_skips_when_resuming(monkeypatch):
+    from tarantella import data
+    created = []
+    real_iter = tf.data.Dataset.__iter__
+    monkeypatch.setattr(tf.data.Dataset, "__iter__", lambda dataset: created.append(1) or real_iter(dataset))
+
+    class CountAtEpochBegin(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.counts.append(len(created))
+
+    samples = tf.data.Dataset.from_tensor_slices((np.zeros((6, 2), np.float32), np.zeros(6, np.float32)))
+    for batches_known, dataset in ((True, samples.batch(2)), (False, samples.filter(lambda x, y: True).batch(2))):
+        assert (int(dataset.cardinality()) >= 0) == batches_known
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        counter = CountAtEpochBegin()
+        counter.counts = []
+        created.clear()
+        model.fit(dataset, epochs=4, verbose=0, callbacks=[counter])
+        assert counter.counts == [data.keras_iterators_before(epoch, batches_known) for epoch in range(4)]

@@ -199,30 +199,67 @@ def wrapper_errors(out):
     return {"errors": errors}
 
 
-def backup_and_restore(out):
-    """A fit that fails at the start of epoch 3 on every rank, then a new process state resumes it."""
-    x, y = arrays()
-    backup = os.path.join(out, "backup")
+class Batches(keras.utils.PyDataset):
+    """x, y in 5 batches of 30 samples (the last 15)."""
 
-    class FailAtEpoch(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            if epoch == 2:
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, index):
+        rows = slice(index * 30, min(index * 30 + 30, len(self.x)))
+        return self.x[rows], self.y[rows]
+
+
+# How each input kind is passed to fit: (positional arguments, keyword arguments), built afresh
+# for every fit, as a restarted program builds them.
+RESUMED_INPUTS = {
+    "arrays-shuffled": lambda x, y: ((x, y), {"batch_size": 32, "shuffle": True}),
+    "dataset-reshuffled": lambda x, y: (
+        (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64, seed=3, reshuffle_each_iteration=True).batch(32),),
+        {}),
+    "pydataset-shuffled": lambda x, y: ((Batches(x, y),), {"shuffle": True}),
+}
+
+
+def backup_and_restore(out):
+    """For each shuffled input kind, a fit of 3 epochs that fails in the middle of epoch 3 on every
+    rank, then a new fit with new inputs resumes it from the backup; compared with an uninterrupted fit."""
+    x, y = arrays()
+
+    class FailInEpoch3(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self.epoch == 2 and batch == 1:
                 raise RuntimeError("simulated failure")
 
-    reference = compiled(tnt.Model(build()), 0.01, "adam")
-    reference.fit(dataset(x, y, 32), epochs=4, verbose=0)
-    interrupted = compiled(tnt.Model(build()), 0.01, "adam")
-    try:
-        interrupted.fit(dataset(x, y, 32), epochs=4, verbose=0,
-                        callbacks=[keras.callbacks.BackupAndRestore(backup), FailAtEpoch()])
-    except RuntimeError:
-        pass
-    backup_files = sorted(os.listdir(backup))
-    resumed = compiled(tnt.Model(build(seed=99)), 0.01, "adam")
-    history = resumed.fit(dataset(x, y, 32), epochs=4, verbose=0,
-                          callbacks=[keras.callbacks.BackupAndRestore(backup)])
-    return {"backup_files": backup_files, "epochs_run_after_restore": len(history.history["loss"]),
-            "difference": weights_difference(resumed, reference), "backup_removed": not os.path.exists(backup)}
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+    results = {}
+    for kind, make_input in RESUMED_INPUTS.items():
+        backup = os.path.join(out, f"backup-{kind}")
+        def fit(model, callbacks):
+            keras.utils.set_random_seed(1)  # the global seed of the program that builds the input
+            arguments, options = make_input(x, y)
+            return model.fit(*arguments, **options, epochs=3, verbose=0, callbacks=callbacks)
+
+        reference = compiled(tnt.Model(build()), 0.01, "adam")
+        fit(reference, [])
+        interrupted = compiled(tnt.Model(build()), 0.01, "adam")
+        try:
+            fit(interrupted, [keras.callbacks.BackupAndRestore(backup), FailInEpoch3()])
+        except RuntimeError:
+            pass
+        backup_files = sorted(os.listdir(backup))
+        resumed = compiled(tnt.Model(build(seed=99)), 0.01, "adam")
+        history = fit(resumed, [keras.callbacks.BackupAndRestore(backup)])
+        results[kind] = {"backup_files": backup_files, "epochs_run_after_restore": len(history.history["loss"]),
+                         "difference": weights_difference(resumed, reference),
+                         "backup_removed": not os.path.exists(backup)}
+    return results
 
 
 def save_and_resume(out):

@@ -89,6 +89,42 @@ def stop_rank_1():
     train_until_rank_1_fails(lambda: os.kill(os.getpid(), signal.SIGSTOP))
 
 
+class NoSpaceLeft(keras.callbacks.Callback):
+    """A master-only callback whose write fails in the middle of epoch 2 (as on a full disk)."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == 1 and batch == 1:
+            self.fail()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def fail(self):
+        sys.stderr.write(f"rank {tnt.get_rank()}: failing at {time.time():.3f}\n")
+        sys.stderr.flush()
+        raise OSError(28, "No space left on device")
+
+
+def master_callback_fails():
+    """ModelCheckpoint (alone on the master) writes under a file, not a folder, at the end of
+    epoch 2; or a master-only callback of the user's finds the disk full in the middle of epoch 2."""
+    kind, folder = sys.argv[2], sys.argv[3]
+    if kind == "checkpoint":
+        class FailingCheckpoint(keras.callbacks.ModelCheckpoint):
+            def on_epoch_end(self, epoch, logs=None):
+                if epoch == 1:
+                    sys.stderr.write(f"rank {tnt.get_rank()}: failing at {time.time():.3f}\n")
+                    sys.stderr.flush()
+                    self.filepath = os.path.join(folder, "a-file", "model.keras")  # cannot be created
+                super().on_epoch_end(epoch, logs)
+
+        open(os.path.join(folder, "a-file"), "w").close()
+        callback = FailingCheckpoint(os.path.join(folder, "model.keras"))
+    else:
+        callback = tnt.keras.callbacks.Callback(NoSpaceLeft(), run_on_all_ranks=False)
+    compiled().fit(dataset(), epochs=4, verbose=0, callbacks=[callback])
+
+
 def different_optimizers():
     """SGD on rank 0, RMSprop on rank 1: the same variables, a different training step."""
     model = tnt.Model(small_model())
@@ -302,6 +338,7 @@ SCENARIOS = {
     "stop-rank-1": stop_rank_1,
     "evaluate-while-fit": evaluate_while_fit,
     "different-optimizers": different_optimizers,
+    "master-callback-fails": master_callback_fails,
     "master-only-save": master_only_save,
     "saves": saves,
     "train-until-interrupted": train_until_interrupted,
