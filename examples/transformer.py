@@ -148,7 +148,7 @@ def exact_translations(predicted, target):
     return float(np.mean(np.all((predicted == target) | ~mask, axis=1)))
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=2048, help="training sentence pairs")
     parser.add_argument("--batch-size", type=int, default=64, help="the global batch, in sentences")
@@ -164,7 +164,7 @@ def main():
     parser.add_argument("--test-samples", type=int, default=64, help="sentences translated on the master")
     parser.add_argument("--history-json", help="the master writes the History and the translation score here")
     parser.add_argument("--seed", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     keras.utils.set_random_seed(args.seed)
     length = args.max_words + 1
