@@ -161,7 +161,7 @@ def main(argv=None):
     if args.data_dir is None and args.classes is None:
         args.classes = 4
 
-    keras.utils.set_random_seed(args.seed)  # every rank builds the same model; the master's weights win anyway
+    keras.utils.set_random_seed(args.seed)
     train, validation, train_samples, classes = datasets(args)
     # Trained from scratch, so any fixed scaling works; [-1, 1] keeps the first layers' outputs
     # near the BatchNormalization layers' initial moving statistics (mean 0, variance 1).
@@ -193,10 +193,8 @@ def main(argv=None):
                  keras.callbacks.TensorBoard(log_dir=str(output_dir / "tensorboard"))]
     if tnt.is_master_rank():
         output_dir.mkdir(parents=True, exist_ok=True)
-    tnt.barrier()  # the folder exists before any rank's callbacks start
 
-    history = model.fit(train, validation_data=validation, epochs=args.epochs, callbacks=callbacks,
-                        verbose=2 if tnt.is_master_rank() else 0)
+    history = model.fit(train, validation_data=validation, epochs=args.epochs, callbacks=callbacks, verbose=2)
 
     if tnt.is_master_rank():
         print(f"trained {model.name} on {tnt.get_size()} rank(s); final validation accuracy "

@@ -72,7 +72,7 @@ def training_examples(source, target):
 
 
 class TokenAndPositionEmbedding(keras.layers.Layer):
-    """Token embedding plus a learned position embedding; PAD tokens are masked."""
+    """Token embedding plus a learned position embedding."""
 
     def __init__(self, vocabulary, length, width, **kwargs):
         super().__init__(**kwargs)
@@ -83,37 +83,53 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         positions = keras.ops.arange(keras.ops.shape(tokens)[-1])
         return self.tokens(tokens) + self.positions(positions)
 
-    def compute_mask(self, tokens, mask=None):
-        return keras.ops.not_equal(tokens, PAD)
+
+class NextTokenLogits(keras.layers.Layer):
+    """Logits over the vocabulary, masked where the decoder input is PAD: the compiled loss
+    and metrics then average over the real target tokens only."""
+
+    def __init__(self, vocabulary, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(vocabulary)
+        self.supports_masking = True  # Keras attaches compute_mask's result to the output
+
+    def call(self, inputs):
+        features, decoder_input = inputs
+        return self.dense(features)
+
+    def compute_mask(self, inputs, mask=None):
+        return keras.ops.not_equal(inputs[1], PAD)
 
 
-def attention_block(query, context, heads, width, causal):
+def attention_block(query, context, attention_mask, heads, width, causal):
     attention = keras.layers.MultiHeadAttention(heads, width // heads)
-    attended = attention(query, context, use_causal_mask=causal)
-    return keras.layers.LayerNormalization()(keras.layers.Add()([query, attended]))
+    attended = attention(query, context, attention_mask=attention_mask, use_causal_mask=causal)
+    return keras.layers.LayerNormalization()(query + attended)
 
 
 def feed_forward_block(x, width, hidden):
     y = keras.layers.Dense(hidden, activation="relu")(x)
     y = keras.layers.Dense(width)(y)
-    return keras.layers.LayerNormalization()(keras.layers.Add()([x, y]))
+    return keras.layers.LayerNormalization()(x + y)
 
 
 def transformer(vocabulary, length, width, heads, hidden, layers):
-    """An encoder-decoder Transformer: its inputs and its next-token logits (masked where the
-    decoder input is PAD, so the loss skips padding)."""
+    """An encoder-decoder Transformer: its inputs and its next-token logits. Attention never
+    looks at PAD tokens, and the decoder's self-attention only at earlier positions."""
     source = keras.Input((length,), dtype="int32", name="source")
     decoder_input = keras.Input((length,), dtype="int32", name="decoder_input")
+    source_keys = keras.ops.expand_dims(keras.ops.not_equal(source, PAD), 1)  # (batch, 1, length)
+    target_keys = keras.ops.expand_dims(keras.ops.not_equal(decoder_input, PAD), 1)
     encoded = TokenAndPositionEmbedding(vocabulary, length, width, name="source_embedding")(source)
     for _ in range(layers):
-        encoded = attention_block(encoded, encoded, heads, width, causal=False)
+        encoded = attention_block(encoded, encoded, source_keys, heads, width, causal=False)
         encoded = feed_forward_block(encoded, width, hidden)
     decoded = TokenAndPositionEmbedding(vocabulary, length, width, name="target_embedding")(decoder_input)
     for _ in range(layers):
-        decoded = attention_block(decoded, decoded, heads, width, causal=True)
-        decoded = attention_block(decoded, encoded, heads, width, causal=False)
+        decoded = attention_block(decoded, decoded, target_keys, heads, width, causal=True)
+        decoded = attention_block(decoded, encoded, source_keys, heads, width, causal=False)
         decoded = feed_forward_block(decoded, width, hidden)
-    logits = keras.layers.Dense(vocabulary, name="logits")(decoded)
+    logits = NextTokenLogits(vocabulary, name="logits")([decoded, decoder_input])
     return {"source": source, "decoder_input": decoder_input}, logits
 
 
@@ -185,7 +201,7 @@ def main(argv=None):
     for first_epoch in range(0, args.epochs, args.epochs_between_evals):
         last_epoch = min(first_epoch + args.epochs_between_evals, args.epochs)
         round_history = trainer.fit(train, tnt_distribute_dataset=False, initial_epoch=first_epoch,
-                                    epochs=last_epoch, verbose=2 if tnt.is_master_rank() else 0)
+                                    epochs=last_epoch, verbose=2)
         for key, values in round_history.history.items():
             history.setdefault(key, []).extend(values)
         if tnt.is_master_rank():  # the other ranks go on; the next fit waits for the master
