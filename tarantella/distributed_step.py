@@ -86,9 +86,12 @@ class DistributedStep:
 
         metrics = _unique(self._model.metrics)
         variables = _unique([v for metric in metrics for v in metric.variables])
-        saved = [tf.identity(v.value) for v in variables]
-        for variable in variables:
-            variable.assign(tf.zeros(variable.shape, variable.dtype))
+        # Only once a batch has arrived: TensorFlow may run these before the inlined step's input,
+        # and the call that finds a dataset of unknown length exhausted would zero the epoch's metrics.
+        with tf.control_dependencies([global_samples]):
+            saved = [tf.identity(v.value) for v in variables]
+            for variable in variables:
+                variable.assign(tf.zeros(variable.shape, variable.dtype))
         with step.tracing(metrics, self.optimizers(), getattr(self._model, "_compile_loss", None)):
             logs = step_function(data)
         known = {id(v) for v in variables}

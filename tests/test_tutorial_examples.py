@@ -53,6 +53,13 @@ def test_transformer_translates_on_the_master_between_rounds(runs):
     assert serial["exact_translations"] == distributed["exact_translations"]
 
 
+def test_tfrecord_input_of_unknown_length_logs_the_serial_values(runs):
+    serial, distributed = (results(folder, "tfrecords") for folder in runs)
+    assert min(serial["history"]["loss"]) > 0 and serial["evaluate"][0] > 0
+    assert_same_history(serial["history"], distributed["history"])
+    np.testing.assert_allclose(distributed["evaluate"], serial["evaluate"], rtol=1e-5, atol=0)
+
+
 def test_resnet_callback_files_are_written_once_by_the_master(runs):
     for folder in runs:
         output = folder / "resnet50_output"
