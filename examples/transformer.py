@@ -197,7 +197,7 @@ def main(argv=None):
                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                     metrics=[keras.metrics.SparseCategoricalAccuracy()])
 
-    history, scores = {}, []
+    history, scores, predicted = {}, [], None
     for first_epoch in range(0, args.epochs, args.epochs_between_evals):
         last_epoch = min(first_epoch + args.epochs_between_evals, args.epochs)
         round_history = trainer.fit(train, tnt_distribute_dataset=False, initial_epoch=first_epoch,
@@ -212,7 +212,8 @@ def main(argv=None):
 
     if tnt.is_master_rank() and args.history_json:
         pathlib.Path(args.history_json).write_text(json.dumps(
-            {"ranks": tnt.get_size(), "history": history, "exact_translations": scores}, indent=1))
+            {"ranks": tnt.get_size(), "history": history, "exact_translations": scores,
+             "last_translations": predicted.tolist()}, indent=1))
 
 
 if __name__ == "__main__":

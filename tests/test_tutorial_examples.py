@@ -51,6 +51,9 @@ def test_transformer_translates_on_the_master_between_rounds(runs):
     assert len(serial["history"]["loss"]) == 2  # two rounds of one epoch, continued with initial_epoch
     assert len(serial["exact_translations"]) == len(distributed["exact_translations"]) == 2
     assert serial["exact_translations"] == distributed["exact_translations"]
+    # The serial translator shares the trained layers: the same tokens, greedily decoded.
+    assert serial["last_translations"] == distributed["last_translations"]
+    assert len(serial["last_translations"]) == 4 and any(any(row) for row in serial["last_translations"])
 
 
 def test_tfrecord_input_of_unknown_length_logs_the_serial_values(runs):
