@@ -86,9 +86,9 @@ class DistributedStep:
 
         metrics = _unique(self._model.metrics)
         variables = _unique([v for metric in metrics for v in metric.variables])
-        # Only once the batch exists: when a dataset of unknown length ends, Keras' call of the step
-        # fails at get_next, and TF may already have run whatever does not wait for the data.
-        with tf.control_dependencies([samples]):
+        # Only once a batch has arrived: TensorFlow may run these before the inlined step's input,
+        # and the call that finds a dataset of unknown length exhausted would zero the epoch's metrics.
+        with tf.control_dependencies([global_samples]):
             saved = [tf.identity(v.value) for v in variables]
             for variable in variables:
                 variable.assign(tf.zeros(variable.shape, variable.dtype))
