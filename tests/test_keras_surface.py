@@ -112,9 +112,9 @@ def test_contradictory_wrapper_settings_are_refused(tmp_path):
         assert "wraps a keras.callbacks.Callback" in errors[4]
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_backup_and_restore_resumes_every_rank_at_the_failed_epoch_in_its_sample_order(tmp_path, ranks):
-    results, _ = run("backup_and_restore", tmp_path, ranks=ranks)
+def test_backup_and_restore_resumes_every_rank_at_the_failed_epoch_in_its_sample_order(tmp_path):
+    # Two ranks only: the order of the resumed epoch does not depend on the rank count.
+    results, _ = run("backup_and_restore", tmp_path, ranks=2)
     for rank, by_kind in enumerate(results):
         assert sorted(by_kind) == ["arrays-shuffled", "dataset-reshuffled", "pydataset-shuffled"]
         for kind, result in by_kind.items():
@@ -128,9 +128,8 @@ def test_backup_and_restore_resumes_every_rank_at_the_failed_epoch_in_its_sample
 
 # -- saving and loading -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_training_resumed_from_a_save_equals_uninterrupted_training(tmp_path, ranks):
-    results, _ = run("save_and_resume", tmp_path, ranks=ranks)
+def test_training_resumed_from_a_save_equals_uninterrupted_training(tmp_path):
+    results, _ = run("save_and_resume", tmp_path, ranks=2)
     for result in results:
         assert result["resumed_whole_difference"] <= 1e-6
         assert result["resumed_weights_difference"] <= 1e-6
@@ -140,8 +139,7 @@ def test_training_resumed_from_a_save_equals_uninterrupted_training(tmp_path, ra
         assert result["plain_keras_reads_it"] == ["Functional", 0.0]
     # Only the master writes, except with tnt_save_all_devices=True; no partial file is left.
     assert results[0]["files"] == ["everywhere.keras", "model.keras", "model.weights.h5", "via_function.keras"]
-    if ranks == 2:
-        assert results[1]["files"] == ["everywhere.keras"]
+    assert results[1]["files"] == ["everywhere.keras"]
 
 
 def test_configs_clones_and_set_weights(tmp_path):
