@@ -7,7 +7,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import textwrap
 import time
 import uuid
@@ -151,13 +150,3 @@ def test_a_host_that_never_answers_ends_the_start_up_after_the_bound_naming_it(t
                                         "within 3 s (TNT_START_TIMEOUT); hosts that never joined: "
                                         "unreachable-node."), stderr
     assert leftovers == []
-
-
-def test_import_without_an_mpi_library_names_what_to_install():
-    process = subprocess.run([sys.executable, "-c", "import tarantella"], capture_output=True, text=True,
-                             timeout=120, env=quiet_env(MPI4PY_LIBMPI="/nonexistent/libmpi.so"))
-    assert process.returncode == 1
-    assert last_line(process.stderr) == (
-        "ImportError: tarantella found no MPI library (cannot load MPI library). Install one: pip install "
-        "'tarantella[mpich]', or a system MPI (e.g. apt-get install libmpich-dev) and point MPI4PY_LIBMPI at its "
-        "libmpi.so.")

@@ -12,11 +12,11 @@ from conftest import WORKERS, assert_ok, launch, load_npz, run_python
 from workers.real_models import CASES
 
 WORKER = WORKERS / "real_models.py"
-# Three ranks split the batches unevenly: they run the cases whose combination depends on the
-# micro-batch sizes (sparse gathers, masked counts, summed losses, sample weights, batch moments,
-# an empty micro-batch). The other custom-step cases run on two ranks only, to save suite time.
-UNEVEN_SPLIT_CASES = ["embedding-adam", "masked-sequence", "conv-single-sample-last-batch", "summed-loss",
-                      "synchronized-batch-normalization", "custom-train-step-sample-weight", "layer-owned-metric"]
+# Three ranks split the batches unevenly: they run the cases whose combination depends most on
+# the micro-batch sizes (sparse gathers, masked counts, batch moments, empty micro-batches).
+# The others run on two ranks only, to save suite time.
+UNEVEN_SPLIT_CASES = ["embedding-adam", "masked-sequence", "conv-single-sample-last-batch",
+                      "synchronized-batch-normalization"]
 CASES_BY_RANKS = {2: list(CASES), 3: UNEVEN_SPLIT_CASES}
 
 
