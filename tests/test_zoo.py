@@ -96,10 +96,10 @@ DEFAULT_CASES = (
 
 
 # Of those, the default run repeats on 3 ranks (uneven micro-batches) only the ones whose
-# combination no other 3-rank test covers; tests/test_real_models.py runs masks, layer-owned
-# metrics and sample weights on 3 ranks.
-DEFAULT_THREE_RANK_CASES = ("transformer-encoder-classifier", "recommender-subclassed-per-sample-dot",
-                            "conv2d-empty-micro-batch", "on-batch-methods")
+# combination no other 3-rank test covers; tests/test_real_models.py runs masks, sparse
+# gathers and empty micro-batches on 3 ranks.
+DEFAULT_THREE_RANK_CASES = ("recommender-subclassed-per-sample-dot", "conv2d-empty-micro-batch",
+                            "on-batch-methods")
 
 
 def ranks_of(case):
