@@ -141,7 +141,7 @@ class DistributedStep:
 
     def reduce_gradients(self, grads, variables, step):
         """The share-weighted sum over ranks of each rank's gradients (None stays None)."""
-        return self._gradient_allreduce(_weighted(grads, step.share, step.has_samples), variables)
+        return self._gradient_allreduce(_weighted(grads, step.share), variables)
 
 
 class _StepState:
@@ -230,12 +230,15 @@ class _StepState:
     def _global_moments(self, x, axes, keepdims):
         """Synchronized BatchNormalization: the mean and variance of the whole global batch.
 
-        One allreduce of (sum, sum of squares, count) per layer call, in forward order; its
-        gradient is the allreduce of the incoming gradients, in backward order."""
-        local = [tf.reduce_sum(x, axis=axes, keepdims=True), tf.reduce_sum(tf.square(x), axis=axes, keepdims=True),
-                 tf.reduce_sum(tf.ones_like(x), axis=axes, keepdims=True)]
-        shape = tf.shape(local[0])
-        flat = tf.concat([tf.reshape(tf.cast(t, tf.float64), [-1]) for t in local], 0)
+        Each rank takes its micro-batch's moments as serial Keras takes a batch's (two passes,
+        tf.nn.moments), and the ranks combine them in float64, without the cancellation of a
+        float32 sum of squares: one allreduce of (n * mean, n * (variance + mean^2), n) per layer
+        call, in forward order; its gradient is the allreduce of the incoming gradients, in
+        backward order."""
+        mean, variance = [tf.cast(t, tf.float64) for t in tf.nn.moments(x, axes, keepdims=True)]
+        count = tf.reduce_prod(tf.gather(tf.cast(tf.shape(x), tf.float64), axes)) * tf.ones_like(mean)
+        shape = tf.shape(mean)
+        flat = tf.concat([tf.reshape(t, [-1]) for t in (count * mean, count * (variance + tf.square(mean)), count)], 0)
         flat = tf.where(self.has_samples, flat, tf.zeros_like(flat))
         runner = self._runner
 
@@ -251,9 +254,10 @@ class _StepState:
                 return tf.math.divide_no_nan(summed, share)
             return runner._allreduce(vector, "the allreduce of synchronized BatchNormalization moments"), grad
 
-        total, squares, count = [tf.reshape(tf.cast(t, x.dtype), shape) for t in tf.split(allreduce(flat), 3)]
+        total, squares, count = [tf.reshape(t, shape) for t in tf.split(allreduce(flat), 3)]
         mean = tf.math.divide_no_nan(total, count)
         variance = tf.maximum(tf.math.divide_no_nan(squares, count) - tf.square(mean), 0.0)
+        mean, variance = tf.cast(mean, x.dtype), tf.cast(variance, x.dtype)
         if not keepdims:
             mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
         return mean, variance
@@ -321,21 +325,17 @@ def _module_override(module, name, replacement):
         setattr(module, name, original)
 
 
-def _weighted(grads, share, has_samples):
-    """Each gradient times the rank's share; exact zeros without samples, where the zero row's
-    gradients may hold NaN (BatchNormalization of one row) and 0 * NaN would stay NaN."""
-    dense = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
+def _weighted(grads, share):
+    """Each gradient times the rank's share. Without samples the share is 0 and the products
+    are exact zeros, also where the zero row's gradients hold NaN (BatchNormalization of one
+    row): multiply_no_nan gives 0 * NaN = 0."""
     out = list(grads)
-    if dense:
-        chosen = tf.cond(has_samples, lambda: [grads[i] * tf.cast(share, grads[i].dtype) for i in dense],
-                         lambda: [tf.zeros_like(grads[i]) for i in dense])
-        for i, g in zip(dense, chosen):
-            out[i] = g
     for i, g in enumerate(grads):
         if isinstance(g, tf.IndexedSlices):
-            values = g.values * tf.cast(share, g.values.dtype)
-            out[i] = tf.IndexedSlices(tf.where(has_samples, values, tf.zeros_like(values)), g.indices,
-                                      g.dense_shape)
+            out[i] = tf.IndexedSlices(tf.math.multiply_no_nan(g.values, tf.cast(share, g.values.dtype)),
+                                      g.indices, g.dense_shape)
+        elif g is not None:
+            out[i] = tf.math.multiply_no_nan(g, tf.cast(share, g.dtype))
     return out
 
 

@@ -53,8 +53,9 @@ class Model(keras.Model):
     compute_metrics, use several optimizers, and have its own compile signature.
 
     synchronized_batch_normalization=True switches every BatchNormalization layer of the model
-    to Keras' `synchronized=True`: each normalizes with the statistics of the whole global
-    batch, so training equals serial training on any number of ranks."""
+    to Keras' `synchronized=True` when there are 2 or more ranks: each normalizes with the
+    statistics of the whole global batch, so training equals serial training on any number of
+    ranks. (On one rank the layers stay as they are.)"""
 
     def __init__(self, model, parallel_strategy=ParallelStrategy.DATA, synchronized_batch_normalization=False):
         if isinstance(model, Model):
@@ -67,14 +68,15 @@ class Model(keras.Model):
         if not isinstance(synchronized_batch_normalization, bool):
             raise TypeError(f"synchronized_batch_normalization must be True or False; got "
                             f"{synchronized_batch_normalization!r}.")
-        if synchronized_batch_normalization:
-            for layer in model._flatten_layers():
-                if isinstance(layer, keras.layers.BatchNormalization):
-                    layer.synchronized = True
         super().__init__(name=model.name)
         self._keras_model = model
         self._comm = communication.init()
         self._distributed = self._comm.size > 1
+        if synchronized_batch_normalization and self._distributed:
+            # On one rank the micro-batch is the global batch: Keras' own moments are the serial ones.
+            for layer in model._flatten_layers():
+                if isinstance(layer, keras.layers.BatchNormalization):
+                    layer.synchronized = True
         self._weights_synced = False
         self._warned_batch_normalization = False
         self._local_epoch_logs = None

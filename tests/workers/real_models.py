@@ -111,9 +111,12 @@ def summed_loss(keras, np, tf, wrap):
 
 def synchronized_batch_normalization(keras, np, tf, wrap):
     rng = np.random.default_rng(13)
-    x = rng.normal(size=(SAMPLES, 6, 6, 2)).astype("float32")
+    # The first channel's mean is large against its spread: the first layer's moments must be
+    # combined without summing squares in float32, where E[x^2] - E[x]^2 would cancel.
+    x = (rng.normal(size=(SAMPLES, 6, 6, 2)) + [30.0, 0.0]).astype("float32")
     y = rng.integers(0, 3, SAMPLES)
-    model = keras.Sequential([keras.Input((6, 6, 2)), keras.layers.Conv2D(4, 3), keras.layers.BatchNormalization(),
+    model = keras.Sequential([keras.Input((6, 6, 2)), keras.layers.BatchNormalization(),
+                              keras.layers.Conv2D(4, 3), keras.layers.BatchNormalization(),
                               keras.layers.ReLU(), keras.layers.Flatten(), keras.layers.Dense(8),
                               keras.layers.BatchNormalization(), keras.layers.Dense(3, activation="softmax")])
     if wrap is not _serial:  # the option under test; serially, plain BatchNormalization is the reference
