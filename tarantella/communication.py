@@ -82,8 +82,18 @@ class _BucketRound:
         self.reduced = 0
         self.error = None
         self.changed = threading.Condition()
+        self._buffers = {}  # address of a dense bucket's memory -> its index
 
     def deposit(self, index, array):
+        if isinstance(array, np.ndarray) and array.nbytes:
+            address = array.__array_interface__["data"][0]
+            earlier = self._buffers.setdefault(address, index)
+            if earlier != index:
+                # Summed in place twice, the gradients would be wrong; stop instead.
+                raise CollectiveError(
+                    f"gradient buckets {earlier} and {index} of this step are one buffer: TensorFlow merged "
+                    "two equal gradients, and tarantella would sum them over the ranks twice. This is a "
+                    "tarantella bug; please report it with your model's layers.")
         with self.changed:
             self.arrays[index] = array
             self.changed.notify_all()

@@ -82,17 +82,9 @@ class GradientAllreduce:
         handed_over, result_dtypes = [], []
         for index, members in enumerate(items):
             submit = functools.partial(self._submit, index, len(items))
-            if members[0] in sparse:
-                slices = gradients[members[0]]
-                inputs = [tf.cast(slices.indices, tf.int64), self._to_wire(slices.values)]
-                result_dtypes += [tf.int64, inputs[1].dtype]
-            elif len(members) > 1:
-                inputs = [tf.concat([tf.reshape(dense[i], [-1]) for i in members], axis=0)]
-                result_dtypes.append(inputs[0].dtype)
-            else:
-                # The allreduce writes in place; Snapshot copies only if backprop still reads the buffer.
-                inputs = [tf.raw_ops.Snapshot(input=tf.reshape(dense[members[0]], [-1]))]
-                result_dtypes.append(inputs[0].dtype)
+            with tf.control_dependencies(handed_over[-1:]):
+                inputs = self._bucket_inputs(members, gradients, dense, sparse)
+            result_dtypes += [tensor.dtype for tensor in inputs]
             handed_over.append(tf.numpy_function(submit, inputs, tf.int64, stateful=True,
                                                  name=f"tnt_submit_bucket_{index}"))
         reduced = iter(tf.numpy_function(self._collect, handed_over, result_dtypes, stateful=True,
@@ -116,6 +108,22 @@ class GradientAllreduce:
             for i, piece in zip(members, pieces):
                 result[i] = tf.cast(tf.reshape(piece, variables[i].shape), gradients[i].dtype)
         return result
+
+    def _bucket_inputs(self, members, gradients, dense, sparse):
+        """The tensors one bucket hands over: a sparse gradient's indices and values, or one flat
+        buffer that the allreduce overwrites with the sum.
+
+        Built under a control dependency on the previous bucket's hand-over, so that TensorFlow
+        cannot merge two buckets' buffers into one: two layers can have equal gradients (two
+        Dense layers on the same input, added), and Grappler merges ops that compute the same
+        thing. One buffer handed over twice would be summed over the ranks twice."""
+        if members[0] in sparse:
+            slices = gradients[members[0]]
+            return [tf.cast(slices.indices, tf.int64), self._to_wire(slices.values)]
+        if len(members) > 1:
+            return [tf.concat([tf.reshape(dense[i], [-1]) for i in members], axis=0)]
+        # The allreduce writes in place; Snapshot copies only if backprop still reads the buffer.
+        return [tf.raw_ops.Snapshot(input=tf.reshape(dense[members[0]], [-1]))]
 
     @staticmethod
     def _to_wire(gradient):

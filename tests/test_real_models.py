@@ -34,6 +34,21 @@ def test_real_models_and_custom_steps_train_like_serial_keras(ranks, serial_dir,
     out.mkdir()
     cases = CASES_BY_RANKS[ranks]
     assert_ok(launch(ranks, WORKER, "--mode", "tnt", "--out", out, "--cases", ",".join(cases), timeout=900))
+    assert_like_serial(cases, ranks, serial_dir, out)
+
+
+def test_one_bucket_per_gradient_trains_like_serial_keras(serial_dir, scratch):
+    # TNT_FUSION_THRESHOLD=0: every gradient is written in place in a bucket of its own, small
+    # ones included (biases, BatchNormalization's betas behind a residual Add are equal twins).
+    cases = ["parallel-branches-added", "synchronized-batch-normalization", "embedding-adam"]
+    out = scratch / "real-unfused"
+    out.mkdir()
+    assert_ok(launch(2, WORKER, "--mode", "tnt", "--out", out, "--cases", ",".join(cases),
+                     options=["-x", "TNT_FUSION_THRESHOLD=0"], timeout=600))
+    assert_like_serial(cases, 2, serial_dir, out)
+
+
+def assert_like_serial(cases, ranks, serial_dir, out):
     failures = []
     for case in cases:
         serial = load_npz(serial_dir / f"{case}.rank0.npz")

@@ -3,8 +3,9 @@
 `--mode serial` uses plain Keras and never imports tarantella; `--mode tnt` wraps every
 model in tnt.Model. Each case writes one npz per rank with weights, History, evaluation and
 predictions; tests/test_real_models.py compares them. Cases follow keras-io patterns:
-Embedding models, Dense on 3-D inputs, masked sequence losses, layers that own metrics and
-add losses, a Conv2D model whose last global batch has a single sample, a summed loss, and
+Embedding models, Dense on 3-D inputs, parallel branches added, masked sequence losses,
+layers that own metrics and add losses, a Conv2D model whose last global batch has a single
+sample, a summed loss, and
 overridden train_step/test_step/compute_loss (keras-io's guide models, a GAN with two
 optimizers, a VAE, knowledge distillation). Random draws of the custom steps (latent
 vectors) come with the data, so a serial run draws the same numbers.
@@ -43,6 +44,21 @@ def dense_on_3d(keras, np, tf, wrap):
     model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
     model = wrap(model)
     model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model, tf.data.Dataset.from_tensor_slices((x, y))
+
+
+def parallel_branches_added(keras, np, tf, wrap):
+    """Two Dense layers read the same input and their outputs are added (multi-branch blocks):
+    their kernels get equal gradients, which TensorFlow computes once. Each kernel is 32 KB, so
+    at the default fusion threshold each travels in a bucket of its own."""
+    rng = np.random.default_rng(13)
+    x = rng.normal(size=(SAMPLES, 64)).astype("float32")
+    y = rng.integers(0, 3, SAMPLES)
+    inputs = keras.Input((64,))
+    added = keras.layers.Add()([keras.layers.Dense(128)(inputs), keras.layers.Dense(128)(inputs)])
+    outputs = keras.layers.Dense(3, activation="softmax")(keras.layers.ReLU()(added))
+    model = wrap(keras.Model(inputs, outputs))
+    model.compile(keras.optimizers.SGD(0.01, momentum=0.9), "sparse_categorical_crossentropy", metrics=["accuracy"])
     return model, tf.data.Dataset.from_tensor_slices((x, y))
 
 
@@ -371,6 +387,7 @@ def distillation(keras, np, tf, wrap):
 CASES = {
     "embedding-adam": (embedding_adam, True),
     "dense-3d": (dense_on_3d, True),
+    "parallel-branches-added": (parallel_branches_added, True),
     "masked-sequence": (masked_sequence, True),
     "layer-owned-metric": (layer_owned_metric, True),
     "conv-single-sample-last-batch": (conv_single_sample_last_batch, True),
