@@ -113,10 +113,10 @@ class GradientAllreduce:
         """The tensors one bucket hands over: a sparse gradient's indices and values, or one flat
         buffer that the allreduce overwrites with the sum.
 
-        Built under a control dependency on the previous bucket's hand-over, so that TensorFlow
-        cannot merge two buckets' buffers into one: two layers can have equal gradients (two
-        Dense layers on the same input, added), and Grappler merges ops that compute the same
-        thing. One buffer handed over twice would be summed over the ranks twice."""
+        The caller builds them under a control dependency on the previous bucket's hand-over, so
+        that TensorFlow cannot merge two buckets' buffers into one: two layers can have equal
+        gradients (two Dense layers on the same input, added), and Grappler merges ops that
+        compute the same thing. One buffer handed over twice would be summed over the ranks twice."""
         if members[0] in sparse:
             slices = gradients[members[0]]
             return [tf.cast(slices.indices, tf.int64), self._to_wire(slices.values)]
