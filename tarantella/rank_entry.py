@@ -13,10 +13,12 @@ start MPI and TensorFlow before the program's first line.
 import os
 import socket
 import sys
+import time
 
 # Every line the command keeps to itself starts so; the launcher imports these names.
 RANK_ANNOUNCEMENT = "tarantella-rank-announcement:"
 STARTED, FINISHED, FAILED = "started", "finished", "failed"
+_OUTPUT_GRACE_S = 1.0
 # Where MPI launchers put the rank before MPI starts: Hydra, Open MPI, PMIx, Slurm.
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 
@@ -61,6 +63,9 @@ def _abort_at_once(status):
     """Ends the job now: at exit, tarantella would first tell the other ranks this one finished."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        # The MPI launcher stops passing on this rank's output once it aborts; the announcement
+        # above (the `tarantella` command names the rank with it) needs a moment to get out.
+        time.sleep(_OUTPUT_GRACE_S)
         mpi.COMM_WORLD.Abort(status)
 
 
