@@ -5,10 +5,9 @@ model in tnt.Model. Each case writes one npz per rank with weights, History, eva
 predictions; tests/test_real_models.py compares them. Cases follow keras-io patterns:
 Embedding models, Dense on 3-D inputs, parallel branches added, masked sequence losses,
 layers that own metrics and add losses, a Conv2D model whose last global batch has a single
-sample, a summed loss, and
-overridden train_step/test_step/compute_loss (keras-io's guide models, a GAN with two
-optimizers, a VAE, knowledge distillation). Random draws of the custom steps (latent
-vectors) come with the data, so a serial run draws the same numbers.
+sample, a summed loss, and overridden train_step/test_step/compute_loss (keras-io's guide
+models, a GAN with two optimizers, a VAE, knowledge distillation). Random draws of the
+custom steps (latent vectors) come with the data, so a serial run draws the same numbers.
 """
 
 import argparse
