@@ -73,14 +73,14 @@ def distribute(dataset, rank=None, size=None):
             global_batch, size, global_batch, size - 1, size)
     if size == 1:  # only the shuffle seeds change, so one rank sees what N ranks see together
         return _with_seeds(chain, len(chain), dataset)
-    if _batches_own_rows(chain, batch_index):
+    why_whole_batch = _why_whole_batches(chain, batch_index)
+    if why_whole_batch is None:
         distributed = _own_micro_batches(chain, batch_index, base, rank, size)
         if int(dataset.cardinality()) >= 0:  # one micro-batch per global batch; tells Keras the steps
             distributed = distributed.apply(tf.data.experimental.assert_cardinality(dataset.cardinality()))
     else:
-        _info_once("tarantella: each rank builds the whole global batch and keeps its rows, because the "
-                   "dataset's last batch %s. Use batch() with a constant size for per-rank batches.",
-                   "is missing" if batch_index is None else "has no constant size or pads its rows")
+        _info_once("tarantella: each rank builds the whole global batch and keeps its rows, because %s.",
+                   why_whole_batch)
         distributed = _with_seeds(chain, len(chain), dataset).map(
             _rows_of_rank(dataset.element_spec, rank, size))
     if dataset.options().deterministic is False:
@@ -136,15 +136,32 @@ def _static_batch_size(chain, batch_index):
     return None if value is None else int(value)
 
 
-def _batches_own_rows(chain, batch_index):
-    """Whether each rank can batch only its own samples: a plain batch of constant size and dense rows."""
-    if batch_index is None or type(chain[batch_index]).__name__ == "_PaddedBatchDataset":
-        return False
+# What may follow the global batch when each rank batches only its own samples: these keep
+# every batch's rows as they are. Anything else (a map, filter, interleave) sees the whole
+# global batch in a serial run, so it must see it on every rank too.
+_KEEPS_BATCH_ROWS = {"_ShuffleDataset", "_RepeatDataset", "_TakeDataset", "_SkipDataset", "_PrefetchDataset",
+                     "_OptionsDataset", "CacheDataset"}
+
+
+def _why_whole_batches(chain, batch_index):
+    """Why each rank must build the whole global batch and keep its rows (None: it can batch only its
+    own samples, which needs a plain batch of constant size, dense rows, and nothing after it that
+    looks at a batch's contents)."""
+    if batch_index is None:
+        return "the dataset's last batch is missing"
     node = chain[batch_index]
-    return _static_batch_size(chain, batch_index) is not None and \
-        tf.get_static_value(node._drop_remainder) is not None and \
-        all(isinstance(spec, tf.TensorSpec) and spec.shape.rank is not None
-            for spec in tf.nest.flatten(node.element_spec))
+    if type(node).__name__ == "_PaddedBatchDataset":
+        return "the dataset's last batch pads its rows"
+    if _static_batch_size(chain, batch_index) is None or tf.get_static_value(node._drop_remainder) is None:
+        return "the dataset's last batch has no constant size"
+    if not all(isinstance(spec, tf.TensorSpec) and spec.shape.rank is not None
+               for spec in tf.nest.flatten(node.element_spec)):
+        return "the dataset's last batch has rows that are not dense tensors of known rank"
+    after = [n for n in chain[batch_index + 1:] if type(n).__name__ not in _KEEPS_BATCH_ROWS]
+    if after:
+        return (f"a {_name(after[0])} follows batch() and works on whole global batches, as in a serial "
+                "run; put per-sample work before batch() to split it across ranks")
+    return None
 
 
 def _own_micro_batches(chain, batch_index, base, rank, size):

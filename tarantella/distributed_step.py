@@ -343,10 +343,15 @@ def _at_least_one_row(data):
     """The batch and its number of rows m; with m == 0 the batch becomes one zero row."""
     leaves = tf.nest.flatten(data)
     batched = [i for i, leaf in enumerate(leaves) if isinstance(leaf, tf.Tensor) and leaf.shape.rank]
-    if not batched:
-        return data, tf.constant(1)
-    tensors = [leaves[i] for i in batched]
-    samples = tf.shape(tensors[0])[0]
+    # The count must wait for the input even where the batch size is static (drop_remainder), when
+    # tf.shape folds to a constant: the metric zeroing waits for it, and the call that finds a dataset
+    # of unknown length exhausted must not zero the epoch's metrics.
+    with tf.control_dependencies([t for t in tf.nest.flatten(data, expand_composites=True)
+                                  if isinstance(t, tf.Tensor)]):
+        if not batched:
+            return data, tf.identity(tf.constant(1))
+        tensors = [leaves[i] for i in batched]
+        samples = tf.identity(tf.shape(tensors[0])[0])
     if any(t.shape[0] is not None and t.shape[0] > 0 for t in tensors):
         return data, samples  # a static, non-empty batch needs no guard
     zero_rows = lambda: [tf.zeros(tf.concat([[1], tf.shape(t)[1:]], 0), t.dtype) for t in tensors]

@@ -99,6 +99,26 @@ PIPELINES_3_RANKS = {
         parse_record).batch(16),
 }
 
+# Transformations after the global batch: a serial run applies them to whole global batches, and so
+# must every rank (a map traced for the batch of 16 once met micro-batches of 8). Each with and
+# without drop_remainder (a static batch dimension), on 2 and 3 ranks.
+AFTER_BATCH = {
+    "map": lambda batches: batches.map(lambda x, y: (tf.reshape(x, [-1, 1]) / 2, y)),
+    "map-sees-whole-batch": lambda batches: batches.map(lambda x, y: (x - tf.reduce_mean(x), y)),
+    "parallel-map": lambda batches: batches.map(lambda x, y: (x * 3, y), num_parallel_calls=2),
+    "interleave": lambda batches: batches.interleave(lambda x, y: tf.data.Dataset.from_tensors((x, y)),
+                                                     cycle_length=2),
+    "filter": lambda batches: batches.filter(lambda x, y: tf.reduce_sum(y) % 3 != 0),
+    "unbatch-batch": lambda batches: batches.unbatch().batch(12),
+    "rebatch": lambda batches: batches.rebatch(8),
+    "prefetch": lambda batches: batches.prefetch(2),
+    "padded-batch-map": lambda _: tf.data.Dataset.range(N).map(lambda i: tf.fill([i % 4], i)).padded_batch(
+        8, padded_shapes=[4], drop_remainder=True).map(lambda row: tf.reverse(row, [1])),
+}
+PIPELINES_AFTER_BATCH = {f"batch-{name}{suffix}": (lambda make=make, drop=drop: make(
+    tensor_slices().batch(16, drop_remainder=drop)))
+    for name, make in AFTER_BATCH.items() for suffix, drop in (("-drop-remainder", True), ("", False))}
+
 
 def batches(dataset):
     # a ragged row becomes its text, so rows compare exactly like dense ones
@@ -123,9 +143,10 @@ def no_global_seed():
     tf.random.set_seed(None)  # so that "unseeded" really means unseeded
 
 
-PIPELINES = {**PIPELINES_1_TO_4_RANKS, **PIPELINES_3_RANKS}
+PIPELINES = {**PIPELINES_1_TO_4_RANKS, **PIPELINES_3_RANKS, **PIPELINES_AFTER_BATCH}
 CASES = [(name, ranks) for name in sorted(PIPELINES_1_TO_4_RANKS) for ranks in (1, 2, 3, 4)] + \
-    [(name, 3) for name in sorted(PIPELINES_3_RANKS)] + [("tiny-drop-remainder", 4), ("tfrecord", 4)]
+    [(name, 3) for name in sorted(PIPELINES_3_RANKS)] + [("tiny-drop-remainder", 4), ("tfrecord", 4)] + \
+    [(name, ranks) for name in sorted(PIPELINES_AFTER_BATCH) for ranks in (2, 3)]
 
 
 @pytest.mark.parametrize("pipeline,ranks", CASES)

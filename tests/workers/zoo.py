@@ -616,6 +616,76 @@ def _frozen(keras, np, rng):
     return classification(keras, np, rng, features, 3, model, keras.optimizers.Adam(1e-2))
 
 
+# -- tf.data transformations after batch, with a loss added through add_loss ----------------------
+# A serial run applies what follows batch() to whole global batches; so must every rank. The
+# Transformer tutorial's structure (padded_batch with drop_remainder, then a map, add_loss)
+# logged loss 0.0 on 2 ranks, and a map after batch(drop_remainder=True) failed.
+
+SEQUENCE_LENGTH, VOCABULARY = 10, 30
+
+
+def add_loss_sequence_classifier(keras):
+    """Embedding, a layer that adds an activation penalty through add_loss, pooling, softmax."""
+    ops = keras.ops
+
+    class ActivationPenalty(keras.layers.Layer):
+        def call(self, inputs):
+            self.add_loss(1e-2 * ops.mean(ops.square(inputs)))
+            return inputs
+
+    inputs = keras.Input((SEQUENCE_LENGTH,), dtype="int32", name="tokens")
+    hidden = register(keras, ActivationPenalty)()(keras.layers.Embedding(VOCABULARY, 8)(inputs))
+    hidden = keras.layers.GlobalAveragePooling1D()(hidden)
+    return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
+
+
+def as_tokens(x, y):
+    return {"tokens": x}, y
+
+
+PIPELINES_AFTER_BATCH = {
+    "map": lambda tf, samples, drop: samples.batch(BATCH, drop_remainder=drop).map(as_tokens),
+    "interleave": lambda tf, samples, drop: samples.batch(BATCH, drop_remainder=drop).interleave(
+        lambda x, y: tf.data.Dataset.from_tensors((x, y)), cycle_length=2),
+    "filter": lambda tf, samples, drop: samples.batch(BATCH, drop_remainder=drop).filter(
+        lambda x, y: tf.reduce_min(x) >= 0),  # keeps all, but the length becomes unknown
+    "unbatch-batch": lambda tf, samples, drop: samples.batch(5).unbatch().batch(BATCH, drop_remainder=drop),
+    "rebatch": lambda tf, samples, drop: samples.batch(BATCH, drop_remainder=drop).rebatch(BATCH // 2),
+    "prefetch": lambda tf, samples, drop: samples.batch(BATCH, drop_remainder=drop).prefetch(2),
+    "padded-batch-map": lambda tf, samples, drop: unpadded(tf, samples).padded_batch(
+        BATCH, padded_shapes=([SEQUENCE_LENGTH], []), drop_remainder=drop).map(as_tokens),
+}
+
+
+def unpadded(tf, samples):
+    """The samples as sequences of their own lengths, from a generator (a length TensorFlow cannot tell)."""
+    rows = [(tokens[tokens > 0], label) for tokens, label in samples.as_numpy_iterator()]
+    return tf.data.Dataset.from_generator(lambda: iter(rows), output_signature=(
+        tf.TensorSpec([None], tf.int32), tf.TensorSpec([], tf.int64)))
+
+
+def pipeline_case(pipeline, drop_remainder):
+    def build(keras, np, rng):
+        import tensorflow as tf
+        validation = 2 * BATCH + 3  # with drop_remainder, two batches (Keras' predict fails on none)
+        tokens = token_sequences(np, rng, SAMPLES + validation, SEQUENCE_LENGTH, VOCABULARY)
+        labels = rng.integers(0, 3, SAMPLES + validation)
+        x, y, vx, vy = tokens[:SAMPLES], labels[:SAMPLES], tokens[SAMPLES:], labels[SAMPLES:]
+        make = lambda *arrays: PIPELINES_AFTER_BATCH[pipeline](tf, tf.data.Dataset.from_tensor_slices(arrays),
+                                                               drop_remainder)
+        return dict(model=add_loss_sequence_classifier(keras),
+                    compile=dict(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy",
+                                 metrics=["sparse_categorical_accuracy"]),
+                    x=make(x, y), y=None, validation=(make(vx, vy),), predict=make(vx, vy))
+    return build
+
+
+for _pipeline in PIPELINES_AFTER_BATCH:
+    for _drop in (True, False):
+        case(f"batch-then-{_pipeline}" + ("-drop-remainder" if _drop else ""), ranks=(2, 3))(
+            pipeline_case(_pipeline, _drop))
+
+
 # -- every Keras 3 optimizer, and the options of the base optimizer -------------------------------
 
 OPTIMIZERS = {
@@ -790,18 +860,45 @@ def clip_sensitivity(keras, np, tf, spec, model):
     return float(difference / tf.linalg.global_norm(whole))
 
 
+def batch_size_of(spec, tf):
+    """Keyword arguments for the batch size: none for a dataset, which is batched already."""
+    return {} if isinstance(spec["x"], tf.data.Dataset) else {"batch_size": spec.get("batch", BATCH)}
+
+
 def train_evaluate_predict(model, spec, case, arrays, np, tf):
-    batch = spec.get("batch", BATCH)
+    batch = batch_size_of(spec, tf)
     validation = None if case.train_only else spec["validation"]
-    history = model.fit(spec["x"], spec["y"], batch_size=batch, epochs=2, shuffle=False, verbose=0,
+    history = model.fit(spec["x"], spec["y"], epochs=2, shuffle=False, verbose=0,
                         sample_weight=spec.get("sample_weight"), validation_data=validation,
-                        **spec.get("fit", {}))
+                        **batch, **spec.get("fit", {}))
     arrays.update({f"history_{key}": np.array(values) for key, values in history.history.items()})
     if case.train_only:
         return
-    evaluation = model.evaluate(*spec["validation"], batch_size=batch, verbose=0, return_dict=True)
+    evaluation = model.evaluate(*spec["validation"], verbose=0, return_dict=True, **batch)
     arrays.update({f"evaluate_{key}": np.array(value) for key, value in evaluation.items()})
-    flatten_into(arrays, "predictions", model.predict(spec["predict"], batch_size=batch, verbose=0), np, tf)
+    flatten_into(arrays, "predictions", model.predict(spec["predict"], verbose=0, **batch), np, tf)
+
+
+def correct_keras_loss_miscount(spec, arrays, np, tf):
+    """Serial Keras' logged means (losses and metrics) on a dataset of unknown length with a static
+    batch size (drop_remainder), corrected to the true means that tarantella logs.
+
+    Keras 3.15 counts a batch's samples without waiting for the batch (the count is the static
+    `shape[0]`, e.g. the loss tracker's weight in compile_utils), so the call that finds such a
+    dataset exhausted adds B samples and no value: n full batches log n/(n+1) of their mean. (The optimizer's
+    iteration count also grows by one in that call; tarantella does the same, so weights agree.)"""
+    def batches_if_miscounted(dataset):
+        if not isinstance(dataset, tf.data.Dataset) or int(dataset.cardinality()) != tf.data.UNKNOWN_CARDINALITY:
+            return None
+        if tf.nest.flatten(dataset.element_spec)[0].shape[0] is None:
+            return None
+        return int(dataset.reduce(0, lambda count, _: count + 1))
+
+    training, validation = batches_if_miscounted(spec["x"]), batches_if_miscounted(spec["validation"][0])
+    for key in arrays:
+        batches = validation if key.startswith(("history_val_", "evaluate_")) else training
+        if batches and key.startswith(("history_", "evaluate_")):
+            arrays[key] = arrays[key] * np.float64(batches + 1) / batches
 
 
 def on_batch_methods(model, spec, arrays, np, tf):
@@ -844,6 +941,8 @@ def run_case(name, mode, out_dir):
             on_batch_methods(model, spec, arrays, np, tf)
         else:
             train_evaluate_predict(model, spec, case, arrays, np, tf)
+        if mode == "serial" and not case.on_batch:
+            correct_keras_loss_miscount(spec, arrays, np, tf)
         arrays.update({f"weight_{i}": w for i, w in enumerate(model.get_weights())})
         arrays.update({f"optimizer_{i}": keras.ops.convert_to_numpy(v)
                        for i, v in enumerate(model.optimizer.variables)})
@@ -852,7 +951,7 @@ def run_case(name, mode, out_dir):
             model.save(path)
             loaded = tnt.models.load_model(path) if mode == "tnt" else keras.models.load_model(path)
             flatten_into(arrays, "loaded_predictions",
-                         loaded.predict(spec["predict"], batch_size=spec.get("batch", BATCH), verbose=0), np, tf)
+                         loaded.predict(spec["predict"], verbose=0, **batch_size_of(spec, tf)), np, tf)
         return arrays
     finally:
         keras.mixed_precision.set_dtype_policy(policy)
