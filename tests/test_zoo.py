@@ -86,12 +86,13 @@ def result(out, case, rank):
 
 # The default run: one case of each kind of failure the zoo has found, within the suite's time
 # budget (masks and layer-owned metrics: tests/test_real_models.py on 2 and 3 ranks).
-# TNT_ZOO_CASES=all runs all 58 cases (about 25 minutes on 2 cores), e.g. before a release.
+# TNT_ZOO_CASES=all runs all 59 cases (about 25 minutes on 2 cores), e.g. before a release.
 DEFAULT_CASES = (
     "mobilenetv3small-frozen-backbone", "transformer-encoder-classifier",
     "recommender-subclassed-per-sample-dot", "conv2d-empty-micro-batch",
     "on-batch-methods", "global-clipnorm-clips-the-sum", "optimizer-adam-gradient-accumulation",
     "optimizer-schedule-free-adamw", "mixed-float16-loss-scale", "textvectorization-into-embedding",
+    "distiller-train-step-without-call",
 )
 
 
@@ -99,7 +100,7 @@ DEFAULT_CASES = (
 # combination no other 3-rank test covers; tests/test_real_models.py runs masks, sparse
 # gathers and empty micro-batches on 3 ranks.
 DEFAULT_THREE_RANK_CASES = ("recommender-subclassed-per-sample-dot", "conv2d-empty-micro-batch",
-                            "on-batch-methods")
+                            "on-batch-methods", "distiller-train-step-without-call")
 
 
 def ranks_of(case):
