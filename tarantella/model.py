@@ -152,8 +152,8 @@ class Model(keras.Model):
         saving.write_whole(filepath, self._keras_model.save_weights, overwrite, tnt_save_all_devices)
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):
-        """Every rank reads the file (it must be visible to all); optimizer state is restored too."""
-        optimizer = self._keras_model.optimizer
+        """Every rank reads the file (it must be visible to all); once compiled, the optimizer state too."""
+        optimizer = getattr(self._keras_model, "optimizer", None)  # an uncompiled Keras model has none
         if self.compiled and self.built and optimizer is not None and not optimizer.built:
             optimizer.build(self.trainable_variables)  # else the saved optimizer state is skipped
         self._keras_model.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)

@@ -134,6 +134,8 @@ def test_training_resumed_from_a_save_equals_uninterrupted_training(tmp_path):
         assert result["resumed_whole_difference"] <= 1e-6
         assert result["resumed_weights_difference"] <= 1e-6
         assert result["reference_vs_serial"] <= 1e-5
+        assert result["loaded_before_compile_difference"] == 0.0
+        assert result["trained_after_loading_before_compile_vs_serial"] <= 1e-5
         assert (result["loaded_type"], result["loaded_compiled"]) == ("Model", True)
         assert result["uncompiled"] == ["Model", False]
         assert result["plain_keras_reads_it"] == ["Functional", 0.0]

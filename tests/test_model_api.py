@@ -50,6 +50,14 @@ def test_wrong_inputs_to_the_wrapper_are_refused():
         tnt.Model(functional(), parallel_strategy="pipeline")
 
 
+def test_load_weights_before_compile_loads_the_saved_values_as_keras_does(tmp_path):
+    saved = functional()
+    saved.save_weights(tmp_path / "saved.weights.h5")
+    model = tnt.Model(functional())
+    model.load_weights(tmp_path / "saved.weights.h5")
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), saved.get_weights()))
+
+
 def test_optimizer_names_and_configs_compile():
     for optimizer in ["adam", {"class_name": "SGD", "config": {"learning_rate": 0.1}}, keras.optimizers.Nadam()]:
         model = tnt.Model(functional())
