@@ -88,6 +88,11 @@ class Model(keras.Model):
 
     # -- the wrapped model -------------------------------------------------------
 
+    @property
+    def model(self):
+        """The wrapped Keras model, as in the original Tarantella."""
+        return self._keras_model
+
     def __getattribute__(self, name):
         if name in _READ_FROM_WRAPPED:
             wrapped = object.__getattribute__(self, "__dict__").get("_keras_model")
@@ -461,6 +466,26 @@ class Model(keras.Model):
             yield
         finally:
             keras.config.enable_interactive_logging()
+
+
+class Sequential(Model):
+    """A tnt.Model around a keras.Sequential: `tnt.Sequential(layers)` is
+    `tnt.Model(keras.Sequential(layers))`; `add` and `pop` are keras.Sequential's."""
+
+    def __init__(self, layers=None, name=None, trainable=True, synchronized_batch_normalization=False):
+        super().__init__(keras.Sequential(layers, trainable=trainable, name=name),
+                         synchronized_batch_normalization=synchronized_batch_normalization)
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """A new tnt.Sequential from the `get_config()` of a Sequential model; weights are new."""
+        if "layers" not in config or "input_layers" in config:
+            raise ValueError("tnt.Sequential.from_config takes the config of a Sequential model; for a "
+                             "functional or serialized model use tnt.Model.from_config.")
+        keras_model = keras.Sequential.from_config(copy.deepcopy(config), custom_objects=custom_objects)
+        wrapper = cls.__new__(cls)  # around the rebuilt model, not a new one from layers
+        Model.__init__(wrapper, keras_model)
+        return wrapper
 
 
 def _overrides(model, method):

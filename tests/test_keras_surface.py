@@ -152,6 +152,11 @@ def test_configs_clones_and_set_weights(tmp_path):
         # set_weights on the master alone: both ranks then hold and evaluate the master's weights.
         assert result["restored_difference"] == 0.0
         assert result["restored_evaluation"] == result["trained_evaluation"]
+        # tnt.Sequential wraps a keras.Sequential and trains like it.
+        assert result["sequential"] == ["Sequential", "Sequential", "Sequential"]
+        difference, history, serial_history = result["sequential_vs_serial"]
+        assert difference <= 1e-5
+        assert_same_logs(history, serial_history)
 
 
 def test_a_failed_save_keeps_the_old_file_and_raises_on_every_rank(tmp_path):

@@ -326,6 +326,18 @@ def configs_and_weights(out):
     result["restored_evaluation"] = restored.evaluate(dataset(x, y, 32), verbose=0)
     result["trained_evaluation"] = model.evaluate(dataset(x, y, 32), verbose=0)
     result["restored_difference"] = weights_difference(restored, model)
+
+    def stack():
+        keras.utils.set_random_seed(7)
+        return [keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(CLASSES, activation="softmax")]
+
+    sequential, serial_sequential = compiled(tnt.Sequential(stack())), compiled(keras.Sequential(stack()))
+    history = sequential.fit(dataset(x, y, 32), epochs=2, verbose=0).history
+    serial_history = serial_sequential.fit(dataset(x, y, 32), epochs=2, verbose=0).history
+    result["sequential"] = [type(sequential).__name__, type(sequential.model).__name__,
+                            type(tnt.Sequential.from_config(sequential.get_config())).__name__]
+    result["sequential_vs_serial"] = [weights_difference(sequential, serial_sequential), history, serial_history]
     return result
 
 
