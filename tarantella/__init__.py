@@ -38,7 +38,7 @@ if not _started_as_launcher():
     from tarantella.communication import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
                                           RankFailedError, RankLeftError, get_master_rank, get_rank, get_size,
                                           init, is_master_rank)
-    from tarantella.model import Model, ParallelStrategy
+    from tarantella.model import Model, ParallelStrategy, Sequential
     from tarantella.collectives import (ReductionOp, TensorAllgatherer, TensorAllreducer, TensorBroadcaster,
                                         allgather, allreduce, barrier, broadcast, broadcast_variables)
     from tarantella import data, optimizers  # tnt.data.distribute, tnt.optimizers.Optimizer

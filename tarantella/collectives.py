@@ -114,6 +114,8 @@ def broadcast_variables(variables, root=0):
 
 
 # -- the original Tarantella's classes ------------------------------------------------------
+# They return what the original's did: a NumPy scalar for a number (the functions above return a
+# 0-d array), the empty list or dict for an empty one, and, from TensorAllgatherer, flattened values.
 
 
 class TensorAllreducer:
@@ -125,7 +127,7 @@ class TensorAllreducer:
 
     def allreduce(self, inputs):
         _check_like_template("TensorAllreducer.allreduce", self._template, inputs)
-        return allreduce(inputs, self._op)
+        return _numbers_for_numbers(inputs, allreduce(inputs, self._op))
 
 
 class TensorBroadcaster:
@@ -146,18 +148,31 @@ class TensorBroadcaster:
                                  f"({self._root}). Pass them: broadcaster.broadcast(values).")
             inputs = self._template
         _check_like_template("TensorBroadcaster.broadcast", self._template, inputs)
-        return broadcast(inputs, self._root)
+        return _numbers_for_numbers(inputs, broadcast(inputs, self._root))
 
 
 class TensorAllgatherer:
-    """Allgathers, along the first axis, values shaped like `inputs` (the first axis may vary)."""
+    """Gathers values shaped like `inputs` (the first axis may vary) from every rank: each value
+    becomes the 1-D concatenation, in rank order, of every rank's value flattened."""
 
     def __init__(self, inputs):
         self._template = _checked_template("TensorAllgatherer", inputs)
 
     def allgather(self, inputs):
         _check_like_template("TensorAllgatherer.allgather", self._template, inputs, first_axis_may_vary=True)
-        return allgather(inputs)
+        return tf.nest.map_structure(_flattened, allgather(inputs))
+
+
+def _flattened(value):
+    return value.reshape(-1) if isinstance(value, np.ndarray) else tf.reshape(value, [-1])
+
+
+def _numbers_for_numbers(inputs, results):
+    """A Python or NumPy number given eagerly comes back as a NumPy scalar of its dtype."""
+    def unwrap(given, result):
+        is_number = isinstance(given, (int, float, complex, np.generic))
+        return result[()] if is_number and isinstance(result, np.ndarray) else result
+    return tf.nest.map_structure(unwrap, inputs, results)
 
 
 # -- calls: eager or inside a tf.function -------------------------------------------------------
@@ -195,8 +210,6 @@ def _collective(name, values, leaves, operation, output_shape, detail, rows_may_
         for i, tensor, result in zip(present, tensors, results if present else []):
             result.set_shape(output_shape(tensor.shape))
             outputs[i] = result
-    if not leaves:
-        return None
     return tf.nest.pack_sequence_as(values, [outputs.get(i) for i in range(len(leaves))])
 
 
@@ -341,9 +354,9 @@ def _check_reducible(dtype, op):
 
 
 def _checked_template(name, inputs):
-    leaves = _leaves(name, inputs)
-    if not leaves or any(leaf is None for leaf in leaves):
-        raise ValueError(f"tnt.{name} needs values to work on (no empty structures or None).")
+    if any(leaf is None for leaf in _leaves(name, inputs)):
+        raise ValueError(f"tnt.{name} needs values to work on: replace the None entries with values of the "
+                         "shapes and dtypes you will pass.")
     return inputs
 
 

@@ -88,6 +88,11 @@ class Model(keras.Model):
 
     # -- the wrapped model -------------------------------------------------------
 
+    @property
+    def model(self):
+        """The wrapped Keras model, as in the original Tarantella."""
+        return self._keras_model
+
     def __getattribute__(self, name):
         if name in _READ_FROM_WRAPPED:
             wrapped = object.__getattribute__(self, "__dict__").get("_keras_model")
@@ -152,8 +157,8 @@ class Model(keras.Model):
         saving.write_whole(filepath, self._keras_model.save_weights, overwrite, tnt_save_all_devices)
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):
-        """Every rank reads the file (it must be visible to all); optimizer state is restored too."""
-        optimizer = self._keras_model.optimizer
+        """Every rank reads the file (it must be visible to all); once compiled, the optimizer state too."""
+        optimizer = getattr(self._keras_model, "optimizer", None)  # an uncompiled Keras model has none
         if self.compiled and self.built and optimizer is not None and not optimizer.built:
             optimizer.build(self.trainable_variables)  # else the saved optimizer state is skipped
         self._keras_model.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
@@ -219,7 +224,7 @@ class Model(keras.Model):
         if validation_data is not None and not tnt_distribute_validation_dataset:
             self._check_same_step_counts(validation_data, validation_steps, "validation")
         if self._distributed:
-            self._prepare(x.element_spec, compiled_state=True)
+            self._prepare(x.element_spec, "train")
             self._warn_small_batch_normalization_batches(x, tnt_distribute_dataset)
         callbacks = self._callbacks_for_this_rank(callbacks) + [epoch_order]
         with self._keras_output_on_master_only():
@@ -249,7 +254,7 @@ class Model(keras.Model):
         if not tnt_distribute_dataset:
             self._check_same_step_counts(x, steps, "evaluation")
         if self._distributed:
-            self._prepare(x.element_spec, compiled_state=True)
+            self._prepare(x.element_spec, "test")
             self._use_masters_statistics()
         callbacks = self._callbacks_for_this_rank(callbacks)
         with self._keras_output_on_master_only():
@@ -261,7 +266,7 @@ class Model(keras.Model):
         """Every rank gets every prediction, in the order of the input samples."""
         x = self._input("predict", x, None, None, batch_size, tnt_micro_batch_size, distribute=True)
         if self._distributed:
-            self._prepare(x.element_spec, compiled_state=False)
+            self._prepare(x.element_spec, "predict")
             self._use_masters_statistics()
         callbacks = self._callbacks_for_this_rank(callbacks)
         with self._keras_output_on_master_only():
@@ -289,32 +294,32 @@ class Model(keras.Model):
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
         """Every rank passes the same global batch; each trains on its rows of it."""
         self._check_compiled("train_on_batch")
-        x, y, sample_weight = self._rows_of_batch(x, y, sample_weight)
+        x, y, sample_weight = self._rows_of_batch(x, y, sample_weight, "train")
         return super().train_on_batch(x, y, sample_weight=sample_weight, class_weight=class_weight,
                                       return_dict=return_dict)
 
     def test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
         self._check_compiled("test_on_batch")
-        x, y, sample_weight = self._rows_of_batch(x, y, sample_weight)
+        x, y, sample_weight = self._rows_of_batch(x, y, sample_weight, "test")
         if self._distributed:
             self._use_masters_statistics()
         return super().test_on_batch(x, y, sample_weight=sample_weight, return_dict=return_dict)
 
     def predict_on_batch(self, x):
         """Every rank gets the predictions of the whole batch."""
-        x, _, _ = self._rows_of_batch(x, None, None, compiled_state=False)
+        x, _, _ = self._rows_of_batch(x, None, None, "predict")
         if self._distributed:
             self._use_masters_statistics()
         return super().predict_on_batch(x)
 
-    def _rows_of_batch(self, x, y, sample_weight, compiled_state=True):
+    def _rows_of_batch(self, x, y, sample_weight, step):
         if not self._distributed:
             return x, y, sample_weight
         batch = tf.nest.map_structure(
             lambda a: None if a is None else tf.convert_to_tensor(a),
             keras.utils.pack_x_y_sample_weight(*(tuple(a) if isinstance(a, list) else a for a in (x, y, sample_weight))))
         spec = tf.nest.map_structure(lambda t: tf.TensorSpec([None] + t.shape[1:], t.dtype), batch)
-        self._prepare(spec, compiled_state=compiled_state)
+        self._prepare(spec, step)
         rank, size = self._comm.rank, self._comm.size
         rows = tf.nest.map_structure(lambda t: t[rank::size], batch)
         return keras.utils.unpack_x_y_sample_weight(rows)
@@ -407,9 +412,11 @@ class Model(keras.Model):
                 _SMALL_BATCH_NORMALIZATION_BATCH)
             self._warned_batch_normalization = True
 
-    def _prepare(self, element_spec, compiled_state):
-        """Builds every variable, then gives all ranks the master's values (once, or after a change)."""
+    def _prepare(self, element_spec, step):
+        """Builds every variable the coming `step` ("train", "test" or "predict") uses, then gives
+        all ranks the master's values (once, or after a change)."""
         wrapped = self._keras_model
+        compiled_state = step != "predict"
         if compiled_state and _overrides(wrapped, "train_step") and not _overrides(wrapped, "call"):
             # A GAN-like model has no forward pass of its own to build from: its sub-models
             # must come built, or each rank would create their weights with its own values.
@@ -419,6 +426,7 @@ class Model(keras.Model):
                     f"Layers {unbuilt[:5]} of {wrapped.name} have no weights yet, so they would be created "
                     "with different random values on each rank. Build them before fit (give each sub-model "
                     "a keras.Input, or call it once on a batch).")
+            _build_compiled_metrics_and_losses(wrapped, element_spec, step)
         elif compiled_state:
             wrapped._symbolic_build(data_batch=element_spec)
         elif not all(layer.built for layer in wrapped._flatten_layers()):
@@ -460,8 +468,42 @@ class Model(keras.Model):
             keras.config.enable_interactive_logging()
 
 
+class Sequential(Model):
+    """A tnt.Model around a keras.Sequential: `tnt.Sequential(layers)` is
+    `tnt.Model(keras.Sequential(layers))`; `add` and `pop` are keras.Sequential's."""
+
+    def __init__(self, layers=None, name=None, trainable=True, synchronized_batch_normalization=False):
+        super().__init__(keras.Sequential(layers, trainable=trainable, name=name),
+                         synchronized_batch_normalization=synchronized_batch_normalization)
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """A new tnt.Sequential from the `get_config()` of a Sequential model; weights are new."""
+        if "layers" not in config or "input_layers" in config:
+            raise ValueError("tnt.Sequential.from_config takes the config of a Sequential model; for a "
+                             "functional or serialized model use tnt.Model.from_config.")
+        keras_model = keras.Sequential.from_config(copy.deepcopy(config), custom_objects=custom_objects)
+        wrapper = cls.__new__(cls)  # around the rebuilt model, not a new one from layers
+        Model.__init__(wrapper, keras_model)
+        return wrapper
+
+
 def _overrides(model, method):
     return getattr(type(model), method) is not getattr(keras.Model, method)
+
+
+def _build_compiled_metrics_and_losses(model, element_spec, step):
+    """Keras builds compiled metrics and losses from the model's forward pass (`_symbolic_build`),
+    which a model without call() (a GAN, keras-io's Distiller) does not have; its step builds them
+    while Keras traces it, and a distributed step must know every metric variable before it runs.
+    So the step is traced once here, never run: like serial Keras' first trace, the trace creates
+    the metric and loss state it uses (zeros) and any optimizer state, and changes no value."""
+    # Keras private attributes; tests/test_keras_internals.py checks them.
+    unbuilt = [state for state in (model._compile_metrics, model._compile_loss)
+               if state is not None and not state.built]
+    if unbuilt:
+        step_function = model.train_step if step == "train" else model.test_step
+        tf.function(step_function).get_concrete_function(element_spec)
 
 
 def _refuse_ftrl(optimizer):

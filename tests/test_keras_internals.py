@@ -26,6 +26,20 @@ def test_compiled_losses_are_a_list_of_named_tuples_with_a_replaceable_loss():
     assert terms[0]._replace(loss="replaced").loss == "replaced"
 
 
+def test_tracing_a_step_builds_compiled_metrics_and_losses_and_changes_no_value():
+    # tnt.Model builds the compiled state of a model without call() by tracing its step (model.py).
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile("adam", "mse", metrics=["mae"])
+    weights = model.get_weights()
+    assert model._compile_metrics.built is False and model._compile_loss.built is False
+    tf.function(model.train_step).get_concrete_function((tf.TensorSpec((None, 3)), tf.TensorSpec((None, 2))))
+    assert model._compile_metrics.built and model._compile_loss.built and model.optimizer.built
+    metric_state = [v for metric in model.metrics for v in metric.variables]
+    assert metric_state and not any(np.any(v.numpy()) for v in metric_state)
+    assert int(model.optimizer.iterations.numpy()) == 0
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), weights))
+
+
 def test_an_optimizer_knows_the_variables_it_was_built_for():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     optimizer = keras.optimizers.Adam()

@@ -134,6 +134,8 @@ def test_training_resumed_from_a_save_equals_uninterrupted_training(tmp_path):
         assert result["resumed_whole_difference"] <= 1e-6
         assert result["resumed_weights_difference"] <= 1e-6
         assert result["reference_vs_serial"] <= 1e-5
+        assert result["loaded_before_compile_difference"] == 0.0
+        assert result["trained_after_loading_before_compile_vs_serial"] <= 1e-5
         assert (result["loaded_type"], result["loaded_compiled"]) == ("Model", True)
         assert result["uncompiled"] == ["Model", False]
         assert result["plain_keras_reads_it"] == ["Functional", 0.0]
@@ -150,6 +152,11 @@ def test_configs_clones_and_set_weights(tmp_path):
         # set_weights on the master alone: both ranks then hold and evaluate the master's weights.
         assert result["restored_difference"] == 0.0
         assert result["restored_evaluation"] == result["trained_evaluation"]
+        # tnt.Sequential wraps a keras.Sequential and trains like it.
+        assert result["sequential"] == ["Sequential", "Sequential", "Sequential"]
+        difference, history, serial_history = result["sequential_vs_serial"]
+        assert difference <= 1e-5
+        assert_same_logs(history, serial_history)
 
 
 def test_a_failed_save_keeps_the_old_file_and_raises_on_every_rank(tmp_path):

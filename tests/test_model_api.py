@@ -36,6 +36,23 @@ def test_wrapper_is_a_keras_model_that_exposes_the_wrapped_one():
     assert not np.any(plain(x))
 
 
+def test_the_model_property_is_the_wrapped_keras_model():
+    plain = functional()
+    assert tnt.Model(plain).model is plain
+
+
+def test_sequential_is_a_tnt_model_around_keras_sequential():
+    model = tnt.Sequential([keras.Input((5,)), keras.layers.Dense(3, name="hidden")], name="stack")
+    model.add(keras.layers.Dense(2, name="head"))  # keras.Sequential's own methods answer
+    assert isinstance(model, tnt.Model) and type(model.model) is keras.Sequential
+    assert model.name == "stack" and [layer.name for layer in model.layers] == ["hidden", "head"]
+    copy = tnt.Sequential.from_config(model.get_config())
+    assert isinstance(copy, tnt.Sequential) and type(copy.model) is keras.Sequential
+    assert [w.shape for w in copy.get_weights()] == [w.shape for w in model.get_weights()]
+    with pytest.raises(ValueError, match="tnt.Model.from_config"):
+        tnt.Sequential.from_config(functional().get_config())
+
+
 def test_summary_prints_the_wrapped_models_layers(capsys):
     tnt.Model(functional()).summary()
     assert "hidden (Dense)" in capsys.readouterr().out
@@ -48,6 +65,14 @@ def test_wrong_inputs_to_the_wrapper_are_refused():
         tnt.Model(tnt.Model(functional()))
     with pytest.raises(ValueError, match="ParallelStrategy.DATA"):
         tnt.Model(functional(), parallel_strategy="pipeline")
+
+
+def test_load_weights_before_compile_loads_the_saved_values_as_keras_does(tmp_path):
+    saved = functional()
+    saved.save_weights(tmp_path / "saved.weights.h5")
+    model = tnt.Model(functional())
+    model.load_weights(tmp_path / "saved.weights.h5")
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), saved.get_weights()))
 
 
 def test_optimizer_names_and_configs_compile():

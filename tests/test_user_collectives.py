@@ -22,6 +22,7 @@ def test_collectives_match_numpy_and_custom_loops_match_serial(ranks):
         checks = re.search(rf"rank {rank}: (\d+) collective checks agree with numpy", process.stdout)
         assert checks and int(checks.group(1)) > 500, process.stdout
         assert f"rank {rank}: structures, classes and broadcast_variables agree" in process.stdout
+        assert f"rank {rank}: the original's classes return what the original's did" in process.stdout
         assert f"rank {rank}: bad input raised alike" in process.stdout
         assert f"rank {rank}: gradients combined as documented" in process.stdout
         for variant in LOOP_VARIANTS:

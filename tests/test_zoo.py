@@ -86,13 +86,14 @@ def result(out, case, rank):
 
 # The default run: one case of each kind of failure the zoo has found, within the suite's time
 # budget (masks and layer-owned metrics: tests/test_real_models.py on 2 and 3 ranks).
-# TNT_ZOO_CASES=all runs all 72 cases, e.g. before a release.
+# TNT_ZOO_CASES=all runs all 73 cases, e.g. before a release.
 DEFAULT_CASES = (
     "mobilenetv3small-frozen-backbone", "transformer-encoder-classifier",
     "recommender-subclassed-per-sample-dot", "conv2d-empty-micro-batch",
     "on-batch-methods", "global-clipnorm-clips-the-sum", "optimizer-adam-gradient-accumulation",
     "optimizer-schedule-free-adamw", "mixed-float16-loss-scale", "textvectorization-into-embedding",
     "batch-then-map-drop-remainder", "batch-then-padded-batch-map-drop-remainder",
+    "distiller-train-step-without-call",
 )
 
 
@@ -100,7 +101,8 @@ DEFAULT_CASES = (
 # combination no other 3-rank test covers; tests/test_real_models.py runs masks, sparse
 # gathers and empty micro-batches on 3 ranks.
 DEFAULT_THREE_RANK_CASES = ("recommender-subclassed-per-sample-dot", "conv2d-empty-micro-batch",
-                            "on-batch-methods", "batch-then-padded-batch-map-drop-remainder")
+                            "on-batch-methods", "batch-then-padded-batch-map-drop-remainder",
+                            "distiller-train-step-without-call")
 
 
 def ranks_of(case):

@@ -285,11 +285,22 @@ def save_and_resume(out):
     from_weights = compiled(tnt.Model(build(seed=99)), 0.01, "adam")
     from_weights.load_weights(os.path.join(shared, "model.weights.h5"))
     train(from_weights, 1)
+    # Weights loaded before compile, as Keras allows: the optimizer state in the file is skipped, as
+    # serially, so the serial reference loads the same way.
+    load_first = tnt.Model(build(seed=99))
+    load_first.load_weights(os.path.join(shared, "model.weights.h5"))
+    loaded_before_compile = weights_difference(load_first, model)
+    serial_load_first = build(seed=99)
+    serial_load_first.load_weights(os.path.join(shared, "model.weights.h5"))
+    train(compiled(load_first, 0.01, "adam"), 1)
+    train(compiled(serial_load_first, 0.01, "adam"), 1)
     uncompiled = tnt.models.load_model(os.path.join(shared, "model.keras"), compile=False)
     serial_copy = keras.models.load_model(os.path.join(shared, "model.keras"))
     return {"resumed_whole_difference": weights_difference(loaded, reference),
             "resumed_weights_difference": weights_difference(from_weights, reference),
             "reference_vs_serial": weights_difference(reference, serial),
+            "loaded_before_compile_difference": loaded_before_compile,
+            "trained_after_loading_before_compile_vs_serial": weights_difference(load_first, serial_load_first),
             "loaded_type": loaded_type, "loaded_compiled": loaded_compiled,
             "uncompiled": [type(uncompiled).__name__, uncompiled.compiled],
             "plain_keras_reads_it": [type(serial_copy).__name__, weights_difference(serial_copy, model)],
@@ -315,6 +326,18 @@ def configs_and_weights(out):
     result["restored_evaluation"] = restored.evaluate(dataset(x, y, 32), verbose=0)
     result["trained_evaluation"] = model.evaluate(dataset(x, y, 32), verbose=0)
     result["restored_difference"] = weights_difference(restored, model)
+
+    def stack():
+        keras.utils.set_random_seed(7)
+        return [keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(CLASSES, activation="softmax")]
+
+    sequential, serial_sequential = compiled(tnt.Sequential(stack())), compiled(keras.Sequential(stack()))
+    history = sequential.fit(dataset(x, y, 32), epochs=2, verbose=0).history
+    serial_history = serial_sequential.fit(dataset(x, y, 32), epochs=2, verbose=0).history
+    result["sequential"] = [type(sequential).__name__, type(sequential.model).__name__,
+                            type(tnt.Sequential.from_config(sequential.get_config())).__name__]
+    result["sequential_vs_serial"] = [weights_difference(sequential, serial_sequential), history, serial_history]
     return result
 
 

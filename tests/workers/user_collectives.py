@@ -128,10 +128,6 @@ def check_structures_and_classes():
     received = broadcaster.broadcast({"a": np.array([7, SIZE], np.int64)} if RANK == SIZE - 1 else None)
     np.testing.assert_array_equal(received["a"], [7, SIZE])
 
-    allgatherer = tnt.TensorAllgatherer(np.zeros((1, 2), np.float32))
-    gathered = allgatherer.allgather(np.full((RANK + 1, 2), RANK, np.float32))
-    np.testing.assert_array_equal(gathered[:, 0], np.repeat(np.arange(SIZE), np.arange(1, SIZE + 1)))
-
     # A Keras metric's summed state gives the serial result (docs/guide.md, custom training loops).
     mean = keras.metrics.Mean()
     mean.update_state(np.arange(RANK + 1, dtype=np.float32))
@@ -144,6 +140,38 @@ def check_structures_and_classes():
     tnt.broadcast_variables(weights, root=SIZE - 1)
     np.testing.assert_array_equal(weights[0].numpy(), np.full(3, SIZE - 1))
     assert int(weights[1].numpy()) == SIZE + 9
+
+
+def check_the_original_classes_results():
+    """The original Tarantella's classes return a number for a number, an empty structure for an
+    empty one, and TensorAllgatherer every rank's values flattened, concatenated in rank order."""
+    ranks_sum = SIZE * (SIZE - 1) / 2
+    total = tnt.TensorAllreducer(3.0).allreduce(float(RANK))
+    assert isinstance(total, float) and total == ranks_sum, (type(total), total)
+    count = tnt.TensorAllreducer(1).allreduce(1)
+    assert isinstance(count, (int, np.integer)) and not isinstance(count, np.ndarray) and count == SIZE, count
+    single = tnt.TensorAllreducer(np.float32(0), reduction_op=tnt.ReductionOp.MAX).allreduce(np.float32(RANK))
+    assert type(single) is np.float32 and single == SIZE - 1, (type(single), single)
+    assert tnt.TensorAllreducer([]).allreduce([]) == []
+    assert tnt.TensorAllreducer({}).allreduce({}) == {}
+    mixed = tnt.TensorAllreducer({"count": 0.0, "sums": [np.zeros(2)]}).allreduce(
+        {"count": 1.0, "sums": [np.full(2, float(RANK))]})
+    assert isinstance(mixed["count"], float) and mixed["count"] == SIZE, mixed
+    np.testing.assert_array_equal(mixed["sums"][0], np.full(2, ranks_sum))
+
+    sent = tnt.TensorBroadcaster(0.0, root_rank=SIZE - 1).broadcast(7.5 if RANK == SIZE - 1 else None)
+    assert isinstance(sent, float) and sent == 7.5, (type(sent), sent)
+
+    rows = tnt.TensorAllgatherer(np.zeros((1, 2), np.float32)).allgather(np.full((RANK + 1, 2), RANK, np.float32))
+    expected = np.concatenate([np.full(2 * (rank + 1), rank, np.float32) for rank in range(SIZE)])
+    assert isinstance(rows, np.ndarray) and rows.shape == expected.shape, rows.shape
+    np.testing.assert_array_equal(rows, expected)
+    per_rank = tnt.TensorAllgatherer(0.0).allgather(float(RANK))
+    np.testing.assert_array_equal(per_rank, np.arange(SIZE, dtype=np.float64))
+    tensor_rows = tnt.TensorAllgatherer(tf.zeros((2, 3))).allgather(tf.fill((2, 3), float(RANK)))
+    np.testing.assert_array_equal(tensor_rows.numpy(), np.repeat(np.arange(SIZE, dtype=np.float32), 6))
+    traced = tf.function(lambda t: tnt.TensorAllgatherer(tf.zeros((2, 3))).allgather(t))(tf.fill((2, 3), 1.0))
+    assert traced.shape == (6 * SIZE,), traced.shape
 
 
 def expect_error(call, error_type, *fragments):
@@ -299,6 +327,8 @@ if __name__ == "__main__":
     print(f"rank {RANK}: {check_collectives()} collective checks agree with numpy", flush=True)
     check_structures_and_classes()
     print(f"rank {RANK}: structures, classes and broadcast_variables agree", flush=True)
+    check_the_original_classes_results()
+    print(f"rank {RANK}: the original's classes return what the original's did", flush=True)
     check_errors()
     print(f"rank {RANK}: bad input raised alike", flush=True)
     check_gradient_combination()

@@ -833,6 +833,68 @@ def _multilabel(keras, np, rng):
                 x=x, y=y, validation=(vx, vy), predict=vx)
 
 
+# -- models without call() --------------------------------------------------------------------------
+
+
+@case("distiller-train-step-without-call", ranks=(2, 3), save_load=False)
+def _distiller(keras, np, rng):
+    import tensorflow as tf
+    ops = keras.ops
+
+    class Distiller(keras.Model):
+        """keras-io's knowledge distillation in its train_step form: a student and a frozen teacher,
+        its own compile, and no call(). The steps update the compiled metrics themselves (Keras 3's
+        compiled_metrics shim), so those metrics are first built inside the traced step."""
+
+        def __init__(self, student, teacher, **kwargs):
+            super().__init__(**kwargs)
+            self.student, self.teacher = student, teacher
+
+        def compile(self, optimizer, metrics, student_loss_fn, distillation_loss_fn, alpha=0.1, temperature=3):
+            super().compile(optimizer=optimizer, metrics=metrics)
+            self.student_loss_fn, self.distillation_loss_fn = student_loss_fn, distillation_loss_fn
+            self.alpha, self.temperature = alpha, temperature
+
+        def softened(self, logits):
+            return ops.softmax(logits / self.temperature, axis=1)
+
+        def train_step(self, data):
+            x, y = data
+            teacher_logits = self.teacher(x, training=False)
+            with tf.GradientTape() as tape:
+                student_logits = self.student(x, training=True)
+                student_loss = self.student_loss_fn(y, student_logits)
+                distillation_loss = self.temperature ** 2 * self.distillation_loss_fn(
+                    self.softened(teacher_logits), self.softened(student_logits))
+                loss = self.alpha * student_loss + (1 - self.alpha) * distillation_loss
+            weights = self.student.trainable_variables
+            self.optimizer.apply_gradients(zip(tape.gradient(loss, weights), weights))
+            self.compiled_metrics.update_state(y, student_logits)
+            return {**{m.name: m.result() for m in self.metrics}, "student_loss": student_loss,
+                    "distillation_loss": distillation_loss}
+
+        def test_step(self, data):
+            x, y = data
+            student_logits = self.student(x, training=False)
+            self.compiled_metrics.update_state(y, student_logits)
+            return {**{m.name: m.result() for m in self.metrics},
+                    "student_loss": self.student_loss_fn(y, student_logits)}
+
+    def classifier(width):
+        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(width, activation="relu"),
+                                 keras.layers.Dense(3)])
+
+    teacher = classifier(32)
+    teacher.trainable = False
+    features = rng.normal(size=(SAMPLES + VALIDATION_SAMPLES, 8)).astype("float32")
+    spec = classification(keras, np, rng, features, 3, Distiller(classifier(8), teacher), None)
+    spec["compile"] = dict(optimizer=keras.optimizers.Adam(1e-2),
+                           metrics=[keras.metrics.SparseCategoricalAccuracy()], student_loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                           distillation_loss_fn=keras.losses.KLDivergence(), alpha=0.1, temperature=3)
+    del spec["predict"]  # no call(): the model has no forward pass to predict with (nor serially)
+    return spec
+
+
 # -- the run --------------------------------------------------------------------------------------
 
 
@@ -876,7 +938,8 @@ def train_evaluate_predict(model, spec, case, arrays, np, tf):
         return
     evaluation = model.evaluate(*spec["validation"], verbose=0, return_dict=True, **batch)
     arrays.update({f"evaluate_{key}": np.array(value) for key, value in evaluation.items()})
-    flatten_into(arrays, "predictions", model.predict(spec["predict"], verbose=0, **batch), np, tf)
+    if "predict" in spec:
+        flatten_into(arrays, "predictions", model.predict(spec["predict"], verbose=0, **batch), np, tf)
 
 
 def correct_keras_loss_miscount(spec, arrays, np, tf):
@@ -885,8 +948,9 @@ def correct_keras_loss_miscount(spec, arrays, np, tf):
 
     Keras 3.15 counts a batch's samples without waiting for the batch (the count is the static
     `shape[0]`, e.g. the loss tracker's weight in compile_utils), so the call that finds such a
-    dataset exhausted adds B samples and no value: n full batches log n/(n+1) of their mean. (The optimizer's
-    iteration count also grows by one in that call; tarantella does the same, so weights agree.)"""
+        dataset exhausted adds B samples and no value: n full batches log n/(n+1) of their mean. (The
+    optimizer's iteration count also grows by one in that call; tarantella does the same, so weights
+    agree.)"""
     def batches_if_miscounted(dataset):
         if not isinstance(dataset, tf.data.Dataset) or int(dataset.cardinality()) != tf.data.UNKNOWN_CARDINALITY:
             return None
