@@ -10,7 +10,9 @@ step is traced, it makes four things global:
    is a mean over the micro-batch this is the gradient of the serial step;
 3. compiled losses that are not a mean over samples (masked entries, `reduction="sum"`)
    are rescaled so that the same share weighting still gives the serial loss: a masked
-   mean is divided by the global count of unmasked entries, not the rank's;
+   mean (the output's mask, `ignore_class`, or both) is divided by the global count of
+   unmasked entries, not the rank's, and a `"mean_with_sample_weight"` loss by the global
+   sum of weights;
 4. metrics: every metric of the model starts the step at zero; afterwards the increments
    of all ranks are summed (one allreduce) and added to the state the metric had. A mean
    tracker fed one scalar per step (e.g. the batch loss) is weighted by the share instead.
@@ -29,10 +31,12 @@ import functools
 import keras
 import numpy as np
 import tensorflow as tf
-# Keras keeps a tensor's mask in a private attribute, and computes synchronized
-# BatchNormalization's moments in a private function; tests/test_keras_internals.py checks both.
-from keras.src.backend.common.masking import get_keras_mask
+# Keras computes synchronized BatchNormalization's moments, and reduces a loss under its mask
+# and sample weights, in private functions; tests/test_keras_internals.py checks both.
 from keras.src.backend.tensorflow import nn as keras_tensorflow_nn
+from keras.src.losses import loss as keras_loss
+
+_keras_reduce_weighted_values = keras_loss.reduce_weighted_values
 
 _MEAN_REDUCTIONS = ("mean", "sum_over_batch_size")
 
@@ -274,7 +278,12 @@ class _StepState:
 
 
 class _GlobalLossTerm:
-    """A compiled loss whose value, weighted by the rank's share, sums to the serial loss."""
+    """A compiled loss whose value, weighted by the rank's share, sums to the serial loss.
+
+    Keras's `Loss.__call__` combines the output's mask with the mask its `call` puts on the
+    per-entry losses (`ignore_class`), merges it with `sample_weight`, and hands all of it to
+    `reduce_weighted_values`. That function is replaced during the call, so the rank's divisor
+    is read from exactly what Keras divides by, whatever made the mask."""
 
     def __init__(self, loss, step):
         self._loss = loss
@@ -284,24 +293,44 @@ class _GlobalLossTerm:
         return getattr(self._loss, name)
 
     def __call__(self, y_true, y_pred, sample_weight=None):
-        value = self._loss(y_true, y_pred, sample_weight)
-        reduction = getattr(self._loss, "reduction", "sum_over_batch_size")
         step = self._step
-        if reduction == "sum":
+        if getattr(self._loss, "reduction", "sum_over_batch_size") == "sum":
+            value = self._loss(y_true, y_pred, sample_weight)
             return value * tf.cast(step.inverse_share, value.dtype)
-        mask = get_keras_mask(tf.nest.flatten(y_pred)[0])
-        if reduction in _MEAN_REDUCTIONS and mask is not None:
-            local = tf.reduce_sum(tf.cast(mask, tf.float64))
-        elif reduction == "mean_with_sample_weight" and sample_weight is not None:
-            local = tf.reduce_sum(tf.cast(sample_weight, tf.float64))
-            if mask is not None:
-                local = tf.reduce_sum(tf.cast(sample_weight, tf.float64) * tf.cast(mask, tf.float64))
-        else:
-            return value  # a mean over samples: the share is the right weight
+        with _module_override(keras_loss, "reduce_weighted_values", self._reduce_globally):
+            return self._loss(y_true, y_pred, sample_weight)
+
+    def _reduce_globally(self, values, sample_weight=None, mask=None, reduction="sum_over_batch_size",
+                         dtype=None):
+        """Keras's reduction, rescaled from the rank's divisor to the global batch's."""
+        value = _keras_reduce_weighted_values(values, sample_weight, mask, reduction, dtype)
+        local = _local_divisor(values, sample_weight, mask, reduction, dtype)
+        if local is None:
+            return value  # a mean over the micro-batch's entries: the share is the right weight
+        step = self._step
         local = tf.where(step.has_samples, local, 0.0)
-        total = step._runner._allreduce(tf.reshape(local, [1]), "the allreduce of a loss's entry count")[0]
+        total = step._runner._allreduce(tf.reshape(local, [1]), "the allreduce of a loss's divisor")[0]
         factor = tf.math.divide_no_nan(local, total) * step.inverse_share
         return value * tf.cast(factor, value.dtype)
+
+
+def _local_divisor(values, sample_weight, mask, reduction, dtype):
+    """What Keras's mean reduction divides the micro-batch's summed loss by (float64), or None
+    where that is the number of entries, which the rank's share already accounts for."""
+    if values.shape.rank == 0:
+        return None  # Keras returns a scalar unreduced
+    if reduction in _MEAN_REDUCTIONS:
+        # A mask weights the unmasked entries by entries/unmasked: the mean of the unmasked ones.
+        return None if mask is None else tf.reduce_sum(tf.cast(mask, tf.float64))
+    if reduction == "mean_with_sample_weight":
+        as_tensor = lambda t: None if t is None else keras.ops.convert_to_tensor(t, dtype)
+        weights = keras_loss.apply_mask(as_tensor(sample_weight), as_tensor(mask), dtype=values.dtype,
+                                        reduction=reduction)
+        if weights is None:
+            return None
+        _, weights = keras_loss.squeeze_or_expand_to_same_rank(values, tf.cast(weights, values.dtype))
+        return tf.reduce_sum(tf.cast(weights, tf.float64))  # Keras divides by the summed weights
+    return None  # no reduction
 
 
 @contextlib.contextmanager

@@ -8,12 +8,25 @@ import tensorflow as tf
 from tarantella import distributed_step
 
 
-def test_a_masked_output_carries_its_mask_where_the_step_reads_it():
+def test_a_loss_hands_its_output_mask_and_ignored_classes_to_the_reduction_tarantella_replaces():
     tokens = keras.Input((4,), dtype="int32")
-    output = keras.layers.Dense(2)(keras.layers.Embedding(5, 3, mask_zero=True)(tokens))
-    model = keras.Model(tokens, output)
-    mask = distributed_step.get_keras_mask(model(np.array([[1, 2, 0, 0]])))
-    np.testing.assert_array_equal(mask, [[True, True, False, False]])
+    output = keras.layers.Dense(3)(keras.layers.Embedding(5, 3, mask_zero=True)(tokens))
+    y_pred = keras.Model(tokens, output)(np.array([[1, 2, 3, 0]]))
+    masks = []
+    original = distributed_step.keras_loss.reduce_weighted_values
+
+    def watched(values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None):
+        masks.append(mask)
+        return original(values, sample_weight, mask, reduction, dtype)
+
+    distributed_step.keras_loss.reduce_weighted_values = watched
+    try:
+        keras.losses.SparseCategoricalCrossentropy(ignore_class=0)(np.array([[1, 0, 2, 2]]), y_pred)
+    finally:
+        distributed_step.keras_loss.reduce_weighted_values = original
+    assert len(masks) == 1, "Loss.__call__ no longer calls keras.src.losses.loss.reduce_weighted_values"
+    # The output's mask (token 0 at the end) and the ignored class (target 0) combined.
+    np.testing.assert_array_equal(masks[0], [[True, False, True, False]])
 
 
 def test_compiled_losses_are_a_list_of_named_tuples_with_a_replaceable_loss():

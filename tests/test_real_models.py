@@ -13,11 +13,13 @@ from workers.real_models import CASES
 
 WORKER = WORKERS / "real_models.py"
 # Three ranks split the batches unevenly: they run the cases whose combination depends most on
-# the micro-batch sizes (sparse gathers, masked counts, batch moments, empty micro-batches).
+# the micro-batch sizes (sparse gathers, masked counts and weights, batch moments, empty
+# micro-batches).
 # The others run on two ranks only, to save suite time. The three ranks also send every gradient
 # in a bucket of its own (TNT_FUSION_THRESHOLD=0), so that small gradients are written in place
 # too: biases, and equal twins such as two added branches' biases.
-UNEVEN_SPLIT_CASES = ["embedding-adam", "masked-sequence", "conv-single-sample-last-batch",
+UNEVEN_SPLIT_CASES = ["embedding-adam", "masked-sequence", "attention-mask-and-ignore-class",
+                      "masked-losses-with-sample-weight", "conv-single-sample-last-batch",
                       "synchronized-batch-normalization", "parallel-branches-added"]
 CASES_BY_RANKS = {2: list(CASES), 3: UNEVEN_SPLIT_CASES}
 OPTIONS_BY_RANKS = {2: [], 3: ["-x", "TNT_FUSION_THRESHOLD=0"]}

@@ -86,7 +86,7 @@ def result(out, case, rank):
 
 # The default run: one case of each kind of failure the zoo has found, within the suite's time
 # budget (masks and layer-owned metrics: tests/test_real_models.py on 2 and 3 ranks).
-# TNT_ZOO_CASES=all runs all 73 cases, e.g. before a release.
+# TNT_ZOO_CASES=all runs all 74 cases, e.g. before a release.
 DEFAULT_CASES = (
     "mobilenetv3small-frozen-backbone", "transformer-encoder-classifier",
     "recommender-subclassed-per-sample-dot", "conv2d-empty-micro-batch",

@@ -4,10 +4,12 @@
 model in tnt.Model. Each case writes one npz per rank with weights, History, evaluation and
 predictions; tests/test_real_models.py compares them. Cases follow keras-io patterns:
 Embedding models, Dense on 3-D inputs, parallel branches added, masked sequence losses,
-layers that own metrics and add losses, a Conv2D model whose last global batch has a single
-sample, a summed loss, and overridden train_step/test_step/compute_loss (keras-io's guide
-models, a GAN with two optimizers, a VAE, knowledge distillation). Random draws of the
-custom steps (latent vectors) come with the data, so a serial run draws the same numbers.
+attention taggers whose losses ignore a class, under padding masks and with per-token
+sample weights, layers that own metrics and add losses, a Conv2D model whose last global
+batch has a single sample, a summed loss, and overridden train_step/test_step/compute_loss
+(keras-io's guide models, a GAN with two optimizers, a VAE, knowledge distillation). Random
+draws of the custom steps (latent vectors) come with the data, so a serial run draws the
+same numbers.
 """
 
 import argparse
@@ -72,6 +74,63 @@ def masked_sequence(keras, np, tf, wrap):
     model = wrap(model)
     model.compile(keras.optimizers.RMSprop(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"])
     return model, tf.data.Dataset.from_tensor_slices((tokens, tags))
+
+
+def _padded_sequences(np, rng, length=12, vocabulary=20):
+    """Tokens padded with 0 at the end, and targets padded where the tokens are (0: ignored)."""
+    lengths = rng.integers(2, length + 1, SAMPLES)
+    filled = np.arange(length)[None, :] < lengths[:, None]
+    return (rng.integers(1, vocabulary, (SAMPLES, length)) * filled,
+            rng.integers(1, vocabulary, (SAMPLES, length)) * filled)
+
+
+def _attention_tagger(keras, mask_zero, outputs=1, length=12, vocabulary=20):
+    """Embedding, self-attention, LayerNormalization(h + a), a Dense per output: per-token logits."""
+    tokens = keras.Input((length,), dtype="int32")
+    h = keras.layers.Embedding(vocabulary, 16, mask_zero=mask_zero)(tokens)
+    h = keras.layers.LayerNormalization()(h + keras.layers.MultiHeadAttention(2, 8)(h, h))
+    # Named: the per-output losses are logged by layer name, which must not depend on the cases run before.
+    heads = [keras.layers.Dense(vocabulary, name=f"logits_{i}")(h) for i in range(outputs)]
+    return keras.Model(tokens, heads if outputs > 1 else heads[0])
+
+
+def attention_ignore_class(keras, np, tf, wrap):
+    """Issue 18: ignore_class masks the per-token losses, not the output; each rank has its own
+    count of ignored targets, and Keras divides by the count of the others."""
+    tokens, targets = _padded_sequences(np, np.random.default_rng(14))
+    model = wrap(_attention_tagger(keras, mask_zero=False))
+    model.compile(keras.optimizers.SGD(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0))
+    return model, tf.data.Dataset.from_tensor_slices((tokens, targets))
+
+
+def attention_mask_and_ignore_class(keras, np, tf, wrap):
+    """The attention's output carries the tokens' padding mask, and ignore_class masks targets
+    padded elsewhere (next-token targets end one step earlier): Keras divides by the count of
+    entries both leave, with RMSprop as in keras-io's translation example."""
+    tokens, _ = _padded_sequences(np, np.random.default_rng(15))
+    next_tokens = np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], axis=1)
+    model = wrap(_attention_tagger(keras, mask_zero=True))
+    model.compile(keras.optimizers.RMSprop(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0),
+                  metrics=[keras.metrics.SparseCategoricalAccuracy()])
+    return model, tf.data.Dataset.from_tensor_slices((tokens, next_tokens))
+
+
+def masked_losses_with_sample_weight(keras, np, tf, wrap):
+    """Per-token sample weights (some 0) under the padding mask and ignore_class, in both mean
+    reductions: "sum_over_batch_size" divides by the unmasked count, "mean_with_sample_weight"
+    by the unmasked weights' sum."""
+    rng = np.random.default_rng(16)
+    tokens, targets = _padded_sequences(np, rng)
+    targets[:, 0] = 0  # ignored although unpadded
+    weights = (rng.random(tokens.shape) * (rng.random(tokens.shape) > 0.2)).astype("float32")
+    model = wrap(_attention_tagger(keras, mask_zero=True, outputs=2))
+    ignoring = lambda reduction: keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, ignore_class=0, reduction=reduction)
+    model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
+                  [ignoring("sum_over_batch_size"), ignoring("mean_with_sample_weight")])
+    return model, tf.data.Dataset.from_tensor_slices((tokens, (targets, targets), weights))
 
 
 def layer_owned_metric(keras, np, tf, wrap):
@@ -388,6 +447,9 @@ CASES = {
     "dense-3d": (dense_on_3d, True),
     "parallel-branches-added": (parallel_branches_added, True),
     "masked-sequence": (masked_sequence, True),
+    "attention-ignore-class": (attention_ignore_class, True),
+    "attention-mask-and-ignore-class": (attention_mask_and_ignore_class, True),
+    "masked-losses-with-sample-weight": (masked_losses_with_sample_weight, True),
     "layer-owned-metric": (layer_owned_metric, True),
     "conv-single-sample-last-batch": (conv_single_sample_last_batch, True),
     "summed-loss": (summed_loss, True),

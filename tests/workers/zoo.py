@@ -285,6 +285,35 @@ def _seq2seq(keras, np, rng):
                 x=x, y=y, validation=(vx, vy), predict=vx)
 
 
+@case("transformer-translation-ignore-class", ranks=(2, 3))
+def _translation(keras, np, rng):
+    # keras-io's English-to-Spanish Transformer, dropout off: padding masks through self-, causal
+    # and cross-attention, and a loss that ignores padded targets (ignore_class=0), with RMSprop.
+    layers = keras.layers
+    length, vocabulary, width = 12, 50, 16
+    position_embedding = position_embedding_layer(keras)
+    embedded = lambda tokens: position_embedding(length, width)(
+        layers.Embedding(vocabulary, width, mask_zero=True)(tokens))
+    source = keras.Input((length,), dtype="int32", name="source")
+    target_in = keras.Input((length,), dtype="int32", name="target_in")
+    encoded = transformer_block(keras, embedded(source), width, heads=2)
+    x = embedded(target_in)
+    x = layers.LayerNormalization(epsilon=1e-6)(x + layers.MultiHeadAttention(2, width // 2)(
+        x, x, use_causal_mask=True))
+    x = layers.LayerNormalization(epsilon=1e-6)(x + layers.MultiHeadAttention(2, width // 2)(x, encoded))
+    x = layers.LayerNormalization(epsilon=1e-6)(x + layers.Dense(width)(layers.Dense(2 * width, activation="relu")(x)))
+    model = keras.Model({"source": source, "target_in": target_in},
+                        layers.Dense(vocabulary, activation="softmax")(x))
+    total = SAMPLES + VALIDATION_SAMPLES
+    targets = token_sequences(np, rng, total, length + 1, vocabulary)
+    features = {"source": token_sequences(np, rng, total, length, vocabulary), "target_in": targets[:, :-1]}
+    (x, y), (vx, vy) = split((features, targets[:, 1:]), np)
+    return dict(model=model, compile=dict(optimizer="rmsprop",
+                                          loss=keras.losses.SparseCategoricalCrossentropy(ignore_class=0),
+                                          metrics=["accuracy"]),
+                x=x, y=y, validation=(vx, vy), predict=vx)
+
+
 @case("lstm-timeseries-regression")
 def _lstm(keras, np, rng):
     layers = keras.layers
