@@ -8,7 +8,10 @@ master rank's training-step time and samples/s of:
   (c) tarantella at 2 ranks;
   (d) 2 ranks with the gradient allreduce monkeypatched away: the compute-only ceiling;
   (e) ResNet-50 only: 2 ranks with synchronized BatchNormalization;
-and judges the step-time ratios (b)/(a), (c)/(d) and (e)/(c) against their targets. It also
+  (@REV) with --against REV: tarantella as it was at git revision REV, at 2 ranks (a git
+      worktree of REV, imported by the same Python and packages; the worker is this one);
+and judges the step-time ratios (b)/(a), (c)/(d), (e)/(c) and (c)/(@REV) against their
+targets: this code may not be slower than REV. It also
 counts tarantella's collectives per step (each opens with a 16-byte agreement allreduce,
 which has no switch) and times that agreement.
 
@@ -27,6 +30,7 @@ Compare numbers within one invocation only, on a quiet machine.
 
     python benchmarks/scaling.py [--models lenet5,mlp,resnet50,transformer] [--repeats 12]
         [--steps N] [--quick] [--plot FILE.png] [--json FILE.json]
+        [--against REV[,REV...]] [--variants a,b,c,d,e,@REV]
     python benchmarks/scaling.py --compare FIRST.json SECOND.json
 """
 
@@ -59,6 +63,10 @@ VARIANTS = {
     "c": ("tarantella, 2 ranks", 2, "tarantella"),
     "d": ("2 ranks, no gradient allreduce", 2, "no-allreduce"),
     "e": ("2 ranks, synchronized BatchNorm", 2, "sync-bn"),
+    # Ablations, timed only when named in --variants: what each safety mechanism costs.
+    "no-agreement": ("2 ranks, no agreement allreduce", 2, "no-agreement"),
+    "no-monitor": ("2 ranks, no peer monitor", 2, "no-monitor"),
+    "no-agreement-no-monitor": ("2 ranks, neither", 2, "no-agreement-no-monitor"),
 }
 # Upper bounds on step-time ratios (numerator, denominator): what tarantella costs at one
 # rank, what the gradient allreduce costs at two, and what synchronized BatchNormalization adds.
@@ -69,7 +77,31 @@ RATIO_TARGETS = {
     "transformer": {("b", "a"): 1.02, ("c", "d"): 1.10},
 }
 MODELS = list(RATIO_TARGETS)
-MODEL_VARIANTS = {model: "abcde" if model == "resnet50" else "abcd" for model in MODELS}
+MODEL_VARIANTS = {model: list("abcde" if model == "resnet50" else "abcd") for model in MODELS}
+# (c)/(@REV): the code under test against an earlier revision of itself.
+AGAINST_TARGET = 1.00
+
+
+def against_variants(revisions, scratch):
+    """label -> (description, ranks, worker variant, folder to import tarantella from) per revision,
+    each checked out into a git worktree of its own under `scratch` (removed with it)."""
+    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    variants = {}
+    for revision in revisions:
+        folder = os.path.join(scratch, f"revision-{len(variants)}")
+        subprocess.run(["git", "-C", repository, "worktree", "add", "--detach", "--quiet", folder, revision],
+                       check=True)
+        commit = subprocess.run(["git", "-C", folder, "rev-parse", "--short", "HEAD"], check=True,
+                                capture_output=True, text=True).stdout.strip()
+        variants[f"@{revision}"] = (f"tarantella at {commit}, 2 ranks", 2, "tarantella", folder)
+    return variants
+
+
+def remove_worktrees(variants):
+    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for *_, folder in variants.values():
+        if folder is not None:
+            subprocess.run(["git", "-C", repository, "worktree", "remove", "--force", folder], check=False)
 
 
 class WorkerFailed(RuntimeError):
@@ -79,10 +111,10 @@ class WorkerFailed(RuntimeError):
 class Worker:
     """One variant's worker process (or 2-rank job), driven through FIFOs."""
 
-    def __init__(self, model, label, windows, steps, warmup, scratch):
-        description, ranks, variant = VARIANTS[label]
+    def __init__(self, model, label, variant_spec, windows, steps, warmup, scratch):
+        description, ranks, variant, source = variant_spec
         self.name = f"{model} ({label}) {description}"
-        self.control = os.path.join(scratch, f"{model}-{label}")
+        self.control = os.path.join(scratch, f"{model}-{label.replace('@', 'at-').replace('/', '-')}")
         os.mkdir(self.control)
         # Opened read-write, so that neither side blocks in open() and a reader never sees EOF.
         self._go = []
@@ -99,10 +131,13 @@ class Worker:
                                  "--steps-per-window", str(steps), "--warmup-steps", str(warmup),
                                  "--control", self.control]
         self._log_path = os.path.join(self.control, "output.log")
+        environment = dict(os.environ)
+        if source is not None:  # the launcher and the ranks import that revision's tarantella
+            environment["PYTHONPATH"] = os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))
         with open(self._log_path, "w") as log:
             # A session of its own, so that stop() ends the launcher and its ranks together.
             self._process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=True)
+                                             start_new_session=True, env=environment)
 
     def send(self, command):
         for fifo in self._go:
@@ -143,15 +178,20 @@ class Worker:
             return log.read()[-5000:]
 
 
-def measure_model(model, repeats, steps, warmup, scratch):
-    """Runs every variant of `model` for `repeats` interleaved rounds; returns the raw results."""
-    labels = MODEL_VARIANTS[model]
+def measure_model(model, variants, repeats, steps, warmup, scratch):
+    """Runs the `variants` ({label: spec}) of `model` for `repeats` interleaved rounds; returns the raw
+    results."""
+    labels = list(variants)
     started = time.monotonic()
     workers = {}
     try:
         for label in labels:
-            workers[label] = Worker(model, label, repeats, steps, warmup, scratch)
+            workers[label] = Worker(model, label, variants[label], repeats, steps, warmup, scratch)
         ready = {label: worker.receive(START_TIMEOUT_S) for label, worker in workers.items()}
+        for label, (*_, source) in variants.items():
+            if source is not None and os.path.realpath(ready[label]["tarantella_folder"]) != os.path.realpath(source):
+                raise WorkerFailed(f"{workers[label].name} imported tarantella from "
+                                   f"{ready[label]['tarantella_folder']}, not from its revision's {source}.")
         start_seconds = time.monotonic() - started
         print(f"{model}: all variants traced and ready after {start_seconds:.0f} s", file=sys.stderr, flush=True)
         windows = {label: [] for label in labels}
@@ -163,8 +203,10 @@ def measure_model(model, repeats, steps, warmup, scratch):
             print(f"[{model} round {repeat + 1}/{repeats}] " + " ".join(
                 f"{label} {windows[label][-1]['median_step_seconds'] * 1e3:.1f}" for label in labels) + " ms/step",
                 file=sys.stderr, flush=True)
-        workers["c"].send("agreement")
-        agreement = workers["c"].receive(WINDOW_TIMEOUT_S)
+        agreement = {"agreement_seconds": None, "collective_seconds": None}
+        if "c" in workers:
+            workers["c"].send("agreement")
+            agreement = workers["c"].receive(WINDOW_TIMEOUT_S)
         for worker in workers.values():
             worker.finish(WINDOW_TIMEOUT_S)
     finally:
@@ -173,7 +215,8 @@ def measure_model(model, repeats, steps, warmup, scratch):
     first = ready[labels[0]]
     return {"parameters": first["parameters"], "global_batch_size": first["global_batch_size"],
             "steps_per_window": steps, "start_seconds": start_seconds,
-            "seconds": time.monotonic() - started, "windows": windows, "agreement": agreement}
+            "seconds": time.monotonic() - started, "windows": windows, "agreement": agreement,
+            "variants": {label: {"description": spec[0], "ranks": spec[1]} for label, spec in variants.items()}}
 
 
 # -- statistics --------------------------------------------------------------------------
@@ -203,16 +246,23 @@ def analyze(model, measured):
     """Step times per variant, and each target ratio from paired rounds, with their spread."""
     step = {label: [w["median_step_seconds"] for w in windows] for label, windows in measured["windows"].items()}
     ratios = {}
-    for (numerator, denominator), target in RATIO_TARGETS[model].items():
+    targets = {**RATIO_TARGETS[model], **{("c", label): AGAINST_TARGET for label in step if label.startswith("@")},
+               **{("c", label): None for label in step if label.startswith("no-")}}
+    for (numerator, denominator), target in targets.items():
+        if numerator not in step or denominator not in step:
+            continue
         # Per round: the two windows ran moments apart, so the machine's drift cancels.
         per_round = [n / d for n, d in zip(step[numerator], step[denominator])]
         spread = summarize(per_round)
-        ratios[f"{numerator}/{denominator}"] = {**spread, "per_round": per_round, "target": target,
-                                                "verdict": verdict(spread, target, len(per_round))}
+        ratios[f"{numerator}/{denominator}"] = {
+            **spread, "per_round": per_round, "target": target,
+            "verdict": "measured, not judged" if target is None else verdict(spread, target, len(per_round))}
     # Samples/s of (c) over (a) is the step time of (a) over (c).
-    speed_up = summarize([a / c for a, c in zip(step["a"], step["c"])])
+    speed_up = summarize([a / c for a, c in zip(step["a"], step["c"])]) if "a" in step and "c" in step else None
+    ranks = {label: spec["ranks"] for label, spec in measured.get("variants", {}).items()}
     collectives = {label: statistics.median(w["collectives_per_step"] for w in measured["windows"][label])
-                   for label in measured["windows"] if VARIANTS[label][1] > 1}
+                   for label in measured["windows"] if ranks.get(label, VARIANTS.get(label, (0, 1))[1]) > 1
+                   and None not in [w["collectives_per_step"] for w in measured["windows"][label]]}
     return {"step_seconds": {label: {**summarize(times), "per_round": times} for label, times in step.items()},
             "ratios": ratios, "speed_up_c_over_a": speed_up, "collectives_per_step": collectives}
 
@@ -235,19 +285,20 @@ def print_report(results, repeats):
         batch = measured["global_batch_size"]
         for index, (label, spread) in enumerate(analysis["step_seconds"].items()):
             name, count = (model, f"{measured['parameters']:,}") if index == 0 else ("", "")
-            description = f"({label}) {VARIANTS[label][0]}"
+            description = f"({label}) {measured['variants'][label]['description']}"
             print(f"{name:<12}{count:>12}  {description:<38}{spread['median'] * 1e3:>9.2f}"
                   f"{relative_spread(spread):>12}{batch / spread['median']:>11,.0f}")
         print(f"{'':<26}global batch {batch}, {measured['steps_per_window']} timed step(s) per window")
         for name, ratio in analysis["ratios"].items():
-            numerator, denominator = name.split("/")
+            numerator, denominator = name.split("/", 1)
             quartiles = f"{ratio['q1']:.3f}-{ratio['q3']:.3f}"
             print(f"{'':<26}{f'({numerator})/({denominator}) step time':<38}{ratio['median']:>9.3f}"
                   f"{quartiles:>12}  min-max {ratio['min']:.3f}-{ratio['max']:.3f}, "
-                  f"target <= {ratio['target']:.2f}: {ratio['verdict']}")
+                  + (f"target <= {ratio['target']:.2f}: " if ratio["target"] is not None else "") + ratio["verdict"])
         speed_up = analysis["speed_up_c_over_a"]
-        quartiles = f"{speed_up['q1']:.2f}-{speed_up['q3']:.2f}"
-        print(f"{'':<26}{'(c)/(a) speed-up in samples/s':<38}{speed_up['median']:>9.2f}{quartiles:>12}")
+        if speed_up is not None:
+            quartiles = f"{speed_up['q1']:.2f}-{speed_up['q3']:.2f}"
+            print(f"{'':<26}{'(c)/(a) speed-up in samples/s':<38}{speed_up['median']:>9.2f}{quartiles:>12}")
         print_agreement(analysis, measured)
         print()
 
@@ -283,7 +334,8 @@ def compare(first_path, second_path):
             first, second = ratio["median"], runs[1][model]["analysis"]["ratios"][name]["median"]
             difference = abs(second / first - 1)
             agree &= difference <= AGREEMENT
-            print(f"{model:<12}{f'({name[0]})/({name[2]})':<10}{first:>10.3f}{second:>12.3f}  {difference * 100:>9.1f}%"
+            numerator, denominator = name.split("/", 1)
+            print(f"{model:<12}{f'({numerator})/({denominator})':<10}{first:>10.3f}{second:>12.3f}  {difference * 100:>9.1f}%"
                   + ("" if difference <= AGREEMENT else f"  more than {AGREEMENT:.0%} apart"))
     print(f"The runs {'agree' if agree else 'do NOT agree'} within {AGREEMENT:.0%} on every ratio.")
     return agree
@@ -315,8 +367,10 @@ def plot(results, path):
             axis.set_ylabel(unit)
             if row == 0:
                 axis.set_title(f"{model} (batch {batch})")
-    figure.text(0.5, 0.005, "  ".join(f"({label}) {VARIANTS[label][0]}" for label in VARIANTS), ha="center",
-                fontsize=7)
+    described = {label: spec["description"] for result in results.values()
+                 for label, spec in result["measured"]["variants"].items()}
+    figure.text(0.5, 0.005, "  ".join(f"({label}) {description}" for label, description in described.items()),
+                ha="center", fontsize=7)
     figure.suptitle("Median step time and samples/s; bars: interquartile range over rounds")
     figure.tight_layout(rect=(0, 0.03, 1, 0.96))
     figure.savefig(path, dpi=120)
@@ -335,6 +389,12 @@ def main():
                              "the numbers mean nothing")
     parser.add_argument("--plot", metavar="FILE.png", help="draw step time and samples/s (needs matplotlib)")
     parser.add_argument("--json", metavar="FILE.json", help="write every measurement and the summary")
+    parser.add_argument("--against", metavar="REV[,REV...]",
+                        help="also time tarantella as it was at these git revisions (2 ranks each), in the same "
+                             f"rounds, and judge (c)/(@REV) <= {AGAINST_TARGET:.2f}; run it before merging a "
+                             "change to the step, the communicator or the launcher")
+    parser.add_argument("--variants", metavar="LABELS",
+                        help="time only these variants, e.g. c,@main (default: all of each model's)")
     parser.add_argument("--compare", nargs=2, metavar="FILE.json",
                         help="measure nothing: check that two --json runs agree within 5%% on every ratio")
     args = parser.parse_args()
@@ -357,13 +417,27 @@ def main():
     started = time.monotonic()
     results = {}
     with tempfile.TemporaryDirectory(prefix="tnt-scaling-") as scratch:
-        for model in models:
-            steps = args.steps or (QUICK["steps"] if args.quick else STEPS_PER_WINDOW[model])
-            try:
-                measured = measure_model(model, repeats, steps, warmup, scratch)
-            except WorkerFailed as error:
-                sys.exit(f"benchmark failed: {error}")
-            results[model] = {"measured": measured, "analysis": analyze(model, measured)}
+        revisions = against_variants(args.against.split(","), scratch) if args.against else {}
+        try:
+            for model in models:
+                ablations = [label for label in VARIANTS if label.startswith("no-")]
+                variants = {label: (*VARIANTS[label], None) for label in MODEL_VARIANTS[model] + ablations}
+                variants.update(revisions)
+                chosen = args.variants.split(",") if args.variants else \
+                    [label for label in variants if label not in ablations]
+                unknown = [label for label in chosen if label not in variants]
+                if unknown:
+                    parser.error(f"unknown variant(s) {', '.join(unknown)} for {model}; choose from "
+                                 f"{', '.join(variants)}")
+                variants = {label: spec for label, spec in variants.items() if label in chosen}
+                steps = args.steps or (QUICK["steps"] if args.quick else STEPS_PER_WINDOW[model])
+                try:
+                    measured = measure_model(model, variants, repeats, steps, warmup, scratch)
+                except WorkerFailed as error:
+                    sys.exit(f"benchmark failed: {error}")
+                results[model] = {"measured": measured, "analysis": analyze(model, measured)}
+        finally:
+            remove_worktrees(revisions)
     print_report(results, repeats)
     print(f"Whole run: {time.monotonic() - started:.0f} s (" + ", ".join(
         f"{model} {result['measured']['seconds']:.0f} s, of which start-up {result['measured']['start_seconds']:.0f} s"

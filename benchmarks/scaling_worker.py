@@ -6,6 +6,11 @@ Variants:
   no-allreduce  tnt.Model with the gradient allreduce replaced by the identity: the
                 compute-only ceiling of a multi-rank step
   sync-bn       tnt.Model(..., synchronized_batch_normalization=True)
+  no-agreement  tarantella without the agreement allreduce before each collective (ablation:
+                what the agreement costs; a mismatch would then go unnoticed)
+  no-monitor    tarantella without the peer monitor's thread and second communicator
+                (ablation: what watching the other ranks costs)
+  no-agreement-no-monitor  both ablations
 
 The worker trains one model on random data in a single `fit`. After the untimed warm-up
 steps (tracing), and after every timed window, each rank stops between two steps and
@@ -149,7 +154,7 @@ class WindowedTimer(keras.callbacks.Callback):
         # A window's first step is untimed: the ranks leave their wait at different moments.
         if step in self._resync_steps:
             self._step_seconds.clear()
-            self._entered_at_start = None if self._comm is None else self._comm.entered
+            self._entered_at_start = getattr(self._comm, "entered", None)  # None: no count (an old revision)
         if step not in self._window_ends:
             return
         if step == self._args.warmup_steps - 1:
@@ -162,7 +167,7 @@ class WindowedTimer(keras.callbacks.Callback):
     def _report_window(self):
         seconds = self._step_seconds
         collectives = None
-        if self._comm is not None:
+        if self._entered_at_start is not None:
             collectives = (self._comm.entered - self._entered_at_start) / len(seconds)
         self._reply({"median_step_seconds": statistics.median(seconds), "mean_step_seconds": statistics.fmean(seconds),
                      "collectives_per_step": collectives})
@@ -210,7 +215,8 @@ def measure_agreement(communicator):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--model", choices=MODELS, required=True)
-    parser.add_argument("--variant", choices=["keras", "tarantella", "no-allreduce", "sync-bn"], required=True)
+    parser.add_argument("--variant", required=True, choices=[
+        "keras", "tarantella", "no-allreduce", "sync-bn", "no-agreement", "no-monitor", "no-agreement-no-monitor"])
     parser.add_argument("--windows", type=int, required=True, help="timed windows")
     parser.add_argument("--steps-per-window", type=int, required=True, help="timed steps per window")
     parser.add_argument("--warmup-steps", type=int, default=3, help="untimed first steps (tracing)")
@@ -227,6 +233,13 @@ def main():
             # Each rank applies its own gradients: the same compute, no gradient traffic.
             from tarantella import gradients
             gradients.GradientAllreduce.__call__ = lambda self, grads, variables=None: list(grads)
+        if "no-agreement" in args.variant:
+            def enter_without_agreement(self, what, agree_on):
+                self.current = what
+                self.entered += 1
+            communication.Communicator.enter = enter_without_agreement
+        if "no-monitor" in args.variant:
+            communication._PeerMonitor = lambda side_comm, communicator: None
         communicator = communication.init()
         is_master = tnt.is_master_rank()
 
@@ -236,12 +249,15 @@ def main():
     parameters = model.count_params()
     dataset = random_dataset(model, global_batch_size)
     if args.variant != "keras":
-        model = tnt.Model(model, synchronized_batch_normalization=args.variant == "sync-bn")
+        # Only where asked: older revisions (--against) have no such argument.
+        model = tnt.Model(model, **({"synchronized_batch_normalization": True} if args.variant == "sync-bn" else {}))
     # Multi-rank tarantella steps never use XLA; keep every variant on the same kind of step.
     model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"],
                   jit_compile=False)
+    imported_from = os.path.dirname(os.path.dirname(tnt.__file__)) if args.variant != "keras" else None
     timer = WindowedTimer(args, communicator, is_master,
-                          {"parameters": parameters, "global_batch_size": global_batch_size})
+                          {"parameters": parameters, "global_batch_size": global_batch_size,
+                           "tarantella_folder": imported_from})
     model.fit(dataset, epochs=1, verbose=0, shuffle=False, callbacks=[timer],
               steps_per_epoch=args.warmup_steps + args.windows * (1 + args.steps_per_window))
 

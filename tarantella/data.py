@@ -185,11 +185,31 @@ def _own_micro_batches(chain, batch_index, base, rank, size):
         parallel = parallel or tf.data.AUTOTUNE
     else:
         _explain_work_on_every_rank(chain, first_split, base, why_whole)
+        if not per_sample and _sample_bytes(chain[batch_index]) <= _SLICE_WHOLE_BATCH_MAX_SAMPLE_BYTES:
+            # Nothing per sample to split: selecting the rank's samples one by one would cost
+            # more than batching the global batch and slicing the rank's rows out of it.
+            return _with_seeds(chain, len(chain), base).map(_rows_of_rank(chain[-1].element_spec, rank, size))
         samples = _with_seeds(chain, first_split, base)
     micro_batches = _micro_batches_of_rank(samples, per_sample, parallel, chain[batch_index], rank, size)
     for node in chain[batch_index + 1:]:
         micro_batches = _REAPPLY[type(node).__name__](node, micro_batches)
     return micro_batches
+
+
+# Up to this sample size, a rank with no per-sample work to split batches the whole global batch
+# and slices its rows out: selecting its samples one by one costs a few tf.data ops per sample,
+# about as much as copying this many bytes (LeNet-5 on 2 ranks: 8.1 against 5.9 ms a step).
+_SLICE_WHOLE_BATCH_MAX_SAMPLE_BYTES = 64 << 10
+
+
+def _sample_bytes(batch_node):
+    """Bytes of one sample of the batch's input, or infinity where a shape is not static."""
+    total = 0
+    for spec in tf.nest.flatten(batch_node._input_dataset.element_spec):
+        if not spec.shape.is_fully_defined():
+            return float("inf")
+        total += spec.shape.num_elements() * spec.dtype.size
+    return total
 
 
 # Transformations whose output depends only on the positions of their input elements.

@@ -74,3 +74,16 @@ def test_compare_flags_runs_whose_ratios_differ_by_more_than_five_percent(tmp_pa
     assert scaling.compare(paths[0], paths[1])      # (c)/(d) 1.10 against 1.14: 3.6% apart
     assert not scaling.compare(paths[0], paths[2])  # 1.10 against 1.17: 6.4% apart
     assert "lenet5      (c)/(d)        1.100       1.170        6.4%  more than 5% apart" in capsys.readouterr().out
+
+
+def test_against_a_revision_judges_the_code_under_test_against_it_and_skips_missing_variants():
+    # --against d6ca19e --variants c,@d6ca19e: no (a), (b), (d), so only (c)/(@d6ca19e) is judged.
+    measured = _measured({"c": [110, 108, 112, 109, 111], "@d6ca19e": [100] * 5})
+    measured["variants"] = {"c": {"description": "tarantella, 2 ranks", "ranks": 2},
+                            "@d6ca19e": {"description": "tarantella at d6ca19e, 2 ranks", "ranks": 2}}
+    analysis = scaling.analyze("lenet5", measured)
+    assert list(analysis["ratios"]) == ["c/@d6ca19e"]
+    ratio = analysis["ratios"]["c/@d6ca19e"]
+    assert ratio["median"] == pytest.approx(1.10) and ratio["target"] == scaling.AGAINST_TARGET
+    assert ratio["verdict"] == "MISSED"
+    assert analysis["speed_up_c_over_a"] is None
