@@ -7,7 +7,9 @@ step is traced, it makes four things global:
 1. the global batch size B: one allreduce of the rank's sample count m opens the step;
 2. gradients: every optimizer the model holds sums, before it updates, the gradients of
    all ranks, each weighted by its rank's share m/B of the global batch. For a loss that
-   is a mean over the micro-batch this is the gradient of the serial step;
+   is a mean over the micro-batch this is the gradient of the serial step. Keras' own
+   train_step differentiates `optimizer.scale_loss(loss)`: there the share weights that
+   scalar, which spares a pass over every gradient;
 3. compiled losses that are not a mean over samples (masked entries, `reduction="sum"`)
    are rescaled so that the same share weighting still gives the serial loss: a masked
    mean (the output's mask, `ignore_class`, or both) is divided by the global count of
@@ -53,7 +55,9 @@ class DistributedStep:
         self.local_metric_state = None
 
     def train(self, data):
-        return self._run(self._model.train_step, data)
+        keras_own_step = type(self._model).train_step is keras.Model.train_step
+        return self._run(self._model.train_step, data,
+                         loss_optimizer=getattr(self._model, "optimizer", None) if keras_own_step else None)
 
     def test(self, data):
         return self._run(self._model.test_step, data)
@@ -81,12 +85,14 @@ class DistributedStep:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def _run(self, step_function, data):
+    def _run(self, step_function, data, loss_optimizer=None):
+        """`loss_optimizer`: the optimizer whose `scale_loss` the step differentiates (Keras' own
+        train_step), or None."""
         data, samples = _at_least_one_row(data)
         has_samples = samples > 0
         samples = tf.cast(samples, tf.float64)
         global_samples = self._allreduce(tf.reshape(samples, [1]), "the allreduce of micro-batch sizes")[0]
-        step = _StepState(samples, global_samples, has_samples, self)
+        step = _StepState(samples, global_samples, has_samples, self, loss_optimizer)
 
         metrics = _unique(self._model.metrics)
         variables = _unique([v for metric in metrics for v in metric.variables])
@@ -143,16 +149,20 @@ class DistributedStep:
     def _gather_predictions(self, *arrays):
         return self._comm.allgather_interleaved_rows(list(arrays), "the gathering of predictions")
 
-    def reduce_gradients(self, grads, variables, step):
-        """The share-weighted sum over ranks of each rank's gradients (None stays None)."""
-        return self._gradient_allreduce(_weighted(grads, step.share), variables)
+    def reduce_gradients(self, grads, variables, contributes=None):
+        """The sum over ranks of each rank's share-weighted gradients (None stays None); a rank
+        whose `contributes` is False adds zeros."""
+        return self._gradient_allreduce(grads, variables, contributes=contributes)
 
 
 class _StepState:
     """What one traced step knows about the global batch, and the hooks it installs."""
 
-    def __init__(self, samples, global_samples, has_samples, runner):
+    def __init__(self, samples, global_samples, has_samples, runner, loss_optimizer=None):
         self.has_samples = has_samples
+        self._loss_optimizer = loss_optimizer
+        # Set when the step scaled its loss by the share (traced before backprop and apply).
+        self.loss_weighted = False
         self.share = tf.math.divide_no_nan(samples, global_samples)
         self.inverse_share = tf.math.divide_no_nan(global_samples, samples)
         self._runner = runner
@@ -170,6 +180,9 @@ class _StepState:
                 stack.enter_context(_instance_override(metric, "result", self._watch_result(metric)))
             for optimizer in optimizers:
                 stack.enter_context(_instance_override(optimizer, "apply", self._reduced_apply(optimizer)))
+            if self._loss_optimizer is not None:
+                stack.enter_context(_instance_override(self._loss_optimizer, "scale_loss",
+                                                       self._share_weighted_scale_loss(self._loss_optimizer)))
             if compile_loss is not None and getattr(compile_loss, "built", False):
                 stack.enter_context(self._global_loss_terms(compile_loss))
             stack.enter_context(_module_override(keras_tensorflow_nn, "_compute_moments_sync",
@@ -220,6 +233,15 @@ class _StepState:
 
         return result
 
+    def _share_weighted_scale_loss(self, optimizer):
+        original = optimizer.scale_loss
+
+        def scale_loss(loss):
+            self.loss_weighted = True
+            return original(loss) * tf.cast(self.share, loss.dtype)
+
+        return scale_loss
+
     def _reduced_apply(self, optimizer):
         original = optimizer.apply
 
@@ -227,7 +249,13 @@ class _StepState:
             grads = list(grads)
             variables = list(trainable_variables if trainable_variables is not None
                              else optimizer._trainable_variables)
-            return original(self._runner.reduce_gradients(grads, variables, self), trainable_variables)
+            if self.loss_weighted and optimizer is self._loss_optimizer:
+                # Weighted already; a rank without samples sends zeros (its zero row's gradients
+                # may hold NaN), set where the bucket is handed over: no pass over the gradients.
+                reduced = self._runner.reduce_gradients(grads, variables, contributes=self.has_samples)
+            else:
+                reduced = self._runner.reduce_gradients(_weighted(grads, self.share), variables)
+            return original(reduced, trainable_variables)
 
         return apply
 
@@ -247,15 +275,17 @@ class _StepState:
         runner = self._runner
 
         share = self.share
+        step = self
 
         @tf.custom_gradient
         def allreduce(vector):
             def grad(upstream):
+                what = "the allreduce of synchronized BatchNormalization gradients"
+                if step.loss_weighted:  # backprop started from the share-weighted loss
+                    return runner._allreduce(tf.where(step.has_samples, upstream, tf.zeros_like(upstream)), what)
                 # Each rank's gradients are weighted by its share only after backprop (in apply), so
                 # the upstream gradients are weighted here, and the weight is taken out again.
-                summed = runner._allreduce(upstream * share, "the allreduce of synchronized "
-                                           "BatchNormalization gradients")
-                return tf.math.divide_no_nan(summed, share)
+                return tf.math.divide_no_nan(runner._allreduce(upstream * share, what), share)
             return runner._allreduce(vector, "the allreduce of synchronized BatchNormalization moments"), grad
 
         total, squares, count = [tf.reshape(t, shape) for t in tf.split(allreduce(flat), 3)]

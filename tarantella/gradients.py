@@ -54,8 +54,12 @@ class GradientAllreduce:
         self._comm = communicator
         self._threshold_bytes = threshold_bytes
 
-    def __call__(self, gradients, variables=None):
+    def __call__(self, gradients, variables=None, contributes=None):
         """Sums `gradients` over ranks; None entries stay None.
+
+        `contributes` (a boolean scalar tensor, optional): where False, this rank adds zeros
+        instead of its gradients (a rank without samples, whose gradients may hold NaN). They
+        are zeroed in the buffers handed over, so the common case costs no pass over them.
 
         The sums are written into the buffers handed over, so pass tensors computed in the
         step (gradients times a weight): a gradient TensorFlow folded into a constant would
@@ -79,13 +83,14 @@ class GradientAllreduce:
         if not items:
             return list(gradients)
 
+        contributes = tf.constant(True) if contributes is None else contributes
         handed_over, result_dtypes = [], []
         for index, members in enumerate(items):
             submit = functools.partial(self._submit, index, len(items))
             with tf.control_dependencies(handed_over[-1:]):
                 inputs = self._bucket_inputs(members, gradients, dense, sparse)
             result_dtypes += [tensor.dtype for tensor in inputs]
-            handed_over.append(tf.numpy_function(submit, inputs, tf.int64, stateful=True,
+            handed_over.append(tf.numpy_function(submit, [contributes] + inputs, tf.int64, stateful=True,
                                                  name=f"tnt_submit_bucket_{index}"))
         reduced = iter(tf.numpy_function(self._collect, handed_over, result_dtypes, stateful=True,
                                          name="tnt_collect_buckets"))
@@ -129,7 +134,13 @@ class GradientAllreduce:
     def _to_wire(gradient):
         return gradient if gradient.dtype in _WIRE_DTYPES else tf.cast(gradient, tf.float32)
 
-    def _submit(self, index, count, *arrays):
+    def _submit(self, index, count, contributes, *arrays):
+        if not contributes:
+            if len(arrays) == 1:  # a dense bucket: its own buffer (see _bucket_inputs), summed in place
+                arrays[0].fill(0)
+            else:  # a sparse gradient: its rows stay (ranks compare them), with zero values; a new
+                # array, as TensorFlow may share the values' buffer
+                arrays = (arrays[0], np.zeros_like(arrays[1]))
         payload = arrays[0] if len(arrays) == 1 else tuple(arrays)
         self._comm.submit_bucket(index, count, payload)
         return np.int64(index)

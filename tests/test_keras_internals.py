@@ -106,3 +106,18 @@ def test_keras_fit_creates_as_many_iterators_before_each_epoch_as_tarantella_ski
         created.clear()
         model.fit(dataset, epochs=4, verbose=0, callbacks=[counter])
         assert counter.counts == [data.keras_iterators_before(epoch, batches_known) for epoch in range(4)]
+
+
+def test_keras_own_train_step_differentiates_what_optimizer_scale_loss_returns():
+    """tarantella weights the rank's share into `optimizer.scale_loss` under Keras' own train_step
+    instead of weighting every gradient: Keras must take the gradients of exactly that value."""
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    before = [w.copy() for w in model.get_weights()]
+    calls = []
+    model.optimizer.__dict__["scale_loss"] = lambda loss: calls.append(loss) or loss * 0.0
+    model.fit(np.ones((4, 2), np.float32), np.full((4, 1), 3.0, np.float32), batch_size=4, verbose=0)
+    assert calls, "Keras' train_step no longer calls optimizer.scale_loss"
+    for old, new in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(new, old, err_msg="the gradients did not come from scale_loss's value")
+    assert type(model).train_step is keras.Model.train_step  # how DistributedStep recognises Keras' own step
