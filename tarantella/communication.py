@@ -643,7 +643,7 @@ def init():
     global _world
     if _world is not None:
         return _world
-    config.fusion_threshold_bytes()  # bad settings fail here, on every rank, before any collective
+    setting_warnings = config.check_environment()  # bad settings fail here, on every rank, before any collective
     ring_allreduce = config.ring_allreduce()
     global _MPI
     missing_mpi = None
@@ -670,6 +670,9 @@ def init():
         # Registered after MPI's own exit handler, so it runs first, while MPI still works.
         atexit.register(_finish, _world)
     _configure_logging(_world.rank)
+    if not config.announce_ranks():  # started by the tarantella command, which said these already
+        for warning in setting_warnings:
+            logger.warning(warning)
     if missing_mpi is not None:
         logger.info("no MPI (%s): running as a single process, without MPI.", missing_mpi)
     if config.announce_ranks():

@@ -1,5 +1,7 @@
 """Settings read from the environment (the launcher sets them; users may too)."""
 
+import difflib
+import math
 import os
 
 DEFAULT_FUSION_THRESHOLD_KB = 32
@@ -31,6 +33,9 @@ def _number(name, default, minimum, unit):
         raise ValueError(
             f"{name}={raw!r} is not a number of {unit}; set it to a number >= {minimum:g}, "
             f"e.g. {name}={default:g}.") from None
+    if not math.isfinite(value):  # nan compares false with everything: it would disable the limit
+        raise ValueError(f"{name}={raw!r} must be a finite number of {unit} >= {minimum:g}, e.g. "
+                         f"{name}={default:g}.")
     if value < minimum:
         raise ValueError(f"{name}={raw!r} must be >= {minimum:g} {unit}.")
     return value
@@ -105,3 +110,31 @@ def start_timeout_s():
 def tensorflow_startup_logs():
     """The `tarantella` command shows TensorFlow's C++ start-up messages (oneDNN, CPU features)."""
     return _flag("TNT_TENSORFLOW_STARTUP_LOGS")
+
+
+# Every setting a user may give, with the function that reads (and checks) it; None: read elsewhere.
+_SETTINGS = {
+    "TNT_FUSION_THRESHOLD": fusion_threshold_bytes, "TNT_COLLECTIVE_TIMEOUT": collective_timeout_s,
+    "TNT_THREADS_PER_RANK": threads_per_rank, "TNT_ALLREDUCE": ring_allreduce,
+    "TNT_OUTPUT_ON_ALL_DEVICES": output_on_all_devices, "TNT_TENSORBOARD_ON_ALL_DEVICES": tensorboard_on_all_devices,
+    "TNT_LOG_ON_ALL_DEVICES": log_on_all_devices, "TNT_USE_GPU": use_gpu, "TNT_ANNOUNCE_RANKS": announce_ranks,
+    "TNT_LOG_LEVEL": log_level, "TNT_STALL_WARNING": stall_warning_s, "TNT_START_TIMEOUT": start_timeout_s,
+    "TNT_TENSORFLOW_STARTUP_LOGS": tensorflow_startup_logs, "TNT_MPIEXEC": None,
+}
+
+
+def check_environment():
+    """Reads every TNT_ setting, so that a bad value fails at once (ValueError naming it and the fix),
+    and returns one warning per unknown TNT_ name that looks like a misspelt setting, naming it.
+    (Unknown names close to no setting may be the user's own and are left alone.)"""
+    for read in _SETTINGS.values():
+        if read is not None:
+            read()
+    warnings = []
+    for name in sorted(os.environ):
+        if name.startswith("TNT_") and name not in _SETTINGS:
+            closest = difflib.get_close_matches(name, _SETTINGS, n=1, cutoff=0.75)
+            if closest:
+                warnings.append(f"{name} is not a tarantella setting, so it is ignored; did you mean "
+                                f"{closest[0]}? (docs/guide.md, Settings)")
+    return warnings

@@ -69,6 +69,10 @@ def main(argv=None):
         return _stop_processes_here(argv[1], argv[2])
     options, program = _parse(argv)
     try:
+        try:
+            setting_warnings = config.check_environment()
+        except ValueError as error:
+            raise LaunchError(str(error)) from None
         hosts = _hosts(options)
         if options.cleanup:
             return _cleanup(options, program, hosts)
@@ -81,7 +85,7 @@ def main(argv=None):
         sys.stderr.write(f"tarantella: error: {error}\n")
         return 2
     if options.log_level != "ERROR":
-        for warning in placement.warnings:
+        for warning in setting_warnings + placement.warnings:
             sys.stderr.write(f"tarantella: WARNING: {warning}\n")
     if options.dry_run:
         print("command:")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import REPO, WORKERS, assert_ok, launch, launcher_command, quiet_env, run_python
 
 SCENARIOS = WORKERS / "scenarios.py"
@@ -376,3 +378,32 @@ def test_log_lines_come_from_the_master_unless_every_rank_is_asked_and_carry_the
 def test_cleanup_dry_run_on_this_node_stops_nothing():
     output = dry_run("--cleanup", "--", "/some/where/train.py")
     assert output == "would send SIGTERM to your processes on this node whose command line names train.py\n"
+
+
+@pytest.mark.parametrize("name, value, says", [
+    ("TNT_COLLECTIVE_TIMEOUT", "nan", "TNT_COLLECTIVE_TIMEOUT='nan' must be a finite number of seconds >= 1"),
+    ("TNT_STALL_WARNING", "inf", "TNT_STALL_WARNING='inf' must be a finite number of seconds >= 1"),
+    ("TNT_START_TIMEOUT", "soon", "TNT_START_TIMEOUT='soon' is not a number of seconds"),
+    ("TNT_LOG_LEVEL", "loud", "TNT_LOG_LEVEL='LOUD' is not one of DEBUG, INFO, WARNING, ERROR"),
+])
+def test_a_bad_setting_is_refused_in_one_line_before_any_rank_starts(name, value, says):
+    # nan compares false with every bound, so a nan timeout used to let a frozen rank hang the job.
+    stderr = refused("-n", "2", "--", str(WORKERS / "plain_ranks.py"), env=clean_env(**{name: value}))
+    assert stderr.startswith(f"tarantella: error: {says}"), stderr
+    assert "Traceback" not in stderr and len(stderr.splitlines()) == 1, stderr
+
+
+def test_a_misspelt_setting_is_named_with_the_setting_it_resembles_and_a_foreign_one_is_left_alone():
+    process = run_launcher("--dry-run", "-n", "2", "--", "train.py",
+                           env=clean_env(TNT_COLECTIVE_TIMEOUT="30", TNT_MY_PROJECT_DATA="/data"))
+    assert_ok(process)
+    assert ("tarantella: WARNING: TNT_COLECTIVE_TIMEOUT is not a tarantella setting, so it is ignored; did "
+            "you mean TNT_COLLECTIVE_TIMEOUT?") in process.stderr
+    assert "TNT_MY_PROJECT_DATA" not in process.stderr
+
+
+def test_without_the_launcher_a_bad_setting_fails_at_import_with_the_fix():
+    process = subprocess.run([sys.executable, "-c", "import tarantella; tarantella.init()"], capture_output=True,
+                             text=True, timeout=120, env=clean_env(TNT_COLLECTIVE_TIMEOUT="nan"))
+    assert process.returncode != 0
+    assert "ValueError: TNT_COLLECTIVE_TIMEOUT='nan' must be a finite number of seconds >= 1" in process.stderr
