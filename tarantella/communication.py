@@ -677,9 +677,8 @@ def init():
         logger.info("no MPI (%s): running as a single process, without MPI.", missing_mpi)
     if config.announce_ranks():
         # The line the `tarantella` command needs to name this rank's host should it fail.
-        from tarantella.rank_entry import RANK_ANNOUNCEMENT
-        sys.stderr.write(f"{RANK_ANNOUNCEMENT} {_world.rank} {socket.gethostname()} {os.getpid()}\n")
-        sys.stderr.flush()
+        from tarantella.rank_entry import RANK_ANNOUNCEMENT, write_to_process_stderr
+        write_to_process_stderr(f"{RANK_ANNOUNCEMENT} {_world.rank} {socket.gethostname()} {os.getpid()}")
     if _world.size > 1 or not config.use_gpu():
         _configure_tensorflow(local_rank, local_size)
     if _world.size > 1:

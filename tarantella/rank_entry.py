@@ -25,9 +25,23 @@ _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCI
 
 def announce(event, *details):
     rank = next((os.environ[name] for name in _RANK_VARIABLES if os.environ.get(name)), "?")
-    sys.stderr.write(" ".join([RANK_ANNOUNCEMENT, event, rank, socket.gethostname(), str(os.getpid()),
-                               *details]) + "\n")
-    sys.stderr.flush()
+    write_to_process_stderr(" ".join([RANK_ANNOUNCEMENT, event, rank, socket.gethostname(), str(os.getpid()),
+                                      *details]))
+
+
+def write_to_process_stderr(line):
+    """Writes `line` to the process's standard error itself (file descriptor 2), which the
+    `tarantella` command reads, not to `sys.stderr`: a program may replace that (e.g. with
+    os.devnull, to hide TensorFlow's warnings), and the command would miss the line."""
+    for stream in (sys.stderr, sys.__stderr__):  # what the program wrote before comes first
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:  # closed: nobody can read it
+        pass
 
 
 def main():

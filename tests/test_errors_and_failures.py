@@ -5,6 +5,7 @@ import re
 import signal
 import socket
 import subprocess
+import textwrap
 import time
 
 import pytest
@@ -191,3 +192,32 @@ def test_a_failing_master_only_callback_fails_every_rank_with_its_error_within_s
     assert process.stderr.strip().splitlines()[-1] == \
         f"tarantella: the job failed (exit status 1): rank 0 on host {socket.gethostname()} raised {error}."
     assert "did not complete within" not in process.stderr and "UnknownError" not in process.stderr
+
+
+HIDDEN_STDERR = textwrap.dedent("""
+    import os, sys
+    sys.stderr = open(os.devnull, "w")  # a common way to hide TensorFlow's warnings
+    import tarantella as tnt
+    import keras, numpy as np
+    model = tnt.Model(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]))
+    model.compile("sgd", "mse")
+    model.fit(np.ones((32, 3), "float32"), np.ones((32, 1), "float32"), batch_size=8, epochs=2, verbose=0)
+    if sys.argv[1] == "raise" and tnt.get_rank() == 1:
+        raise ValueError("rank 1 gives up")
+    sys.stdout.write(f"rank {tnt.get_rank()} trained\\n")
+""")
+
+
+def test_a_program_that_hides_sys_stderr_ends_as_it_really_ended(tmp_path):
+    # The ranks' announcements to the command go to the process's standard error itself; once they
+    # went through sys.stderr, and a job that trained to the end was reported as "left early".
+    script = tmp_path / "hidden_stderr.py"
+    script.write_text(HIDDEN_STDERR)
+    process = launch(2, script, "train", timeout=180)
+    assert process.returncode == 0, process.stderr
+    assert "rank 0 trained" in process.stdout and "left early" not in process.stderr, process.stderr
+    process = launch(2, script, "raise", timeout=180)
+    assert process.returncode != 0
+    host = socket.gethostname()
+    assert f"tarantella: the job failed (exit status 1): rank 1 on host {host} raised ValueError" in process.stderr, \
+        process.stderr
