@@ -624,6 +624,8 @@ class _OutputMonitor:
 
     def pass_on_stderr(self, stream):
         for line in stream:
+            if not line.strip(b"\0"):  # prterun (Open MPI 5) ends its stderr with a NUL byte
+                continue
             text = line.decode(errors="replace")
             if text.startswith(RANK_ANNOUNCEMENT):
                 self._note(text[len(RANK_ANNOUNCEMENT):].split())
