@@ -6,6 +6,7 @@ It imports neither TensorFlow nor MPI, so `tarantella --help` and `--dry-run` an
 """
 
 import argparse
+import functools
 import os
 import re
 import select
@@ -44,6 +45,8 @@ _CLEANUP_GRACE_S = 5.0
 _FAILURE_GRACE_S = 3.0  # after a rank reported its failure, MPI gets this long to end the job itself
 _STOP_GRACE_S = 3.0  # the MPI launcher gets this long to stop its ranks before everything is killed
 _STOP_HERE = "_stop-processes-here"
+# Open MPI's mpirun refuses to run as root (common in containers) unless both are set.
+_OPEN_MPI_ROOT_PERMISSION = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
 _RANK_ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_entry.py")  # internal: what `--cleanup` runs on each host
 
 
@@ -87,6 +90,9 @@ def main(argv=None):
     if options.log_level != "ERROR":
         for warning in setting_warnings + placement.warnings:
             sys.stderr.write(f"tarantella: WARNING: {warning}\n")
+    if options.log_level in ("INFO", "DEBUG") and (_OPEN_MPI_ROOT_PERMISSION[0] in dict(environment)):
+        sys.stderr.write("tarantella: INFO: running as root, so Open MPI's mpirun gets "
+                         + " ".join(f"{name}=1" for name in _OPEN_MPI_ROOT_PERMISSION) + "\n")
     if options.dry_run:
         print("command:")
         print("  " + shlex.join(command))
@@ -98,7 +104,7 @@ def main(argv=None):
         print(f"ranks: {placement.ranks} ({placement.ranks_per_node} per node on {where}, {device})")
         return 0
     ranks_announcing = placement.ranks if _RANK_ENTRY in command else 0
-    return _run(command, environment, ranks_announcing, placement.hosts, config.start_timeout_s())
+    return _run(command, environment, ranks_announcing, placement.hosts, config.start_timeout_s(), flavour)
 
 
 # -- the command line ------------------------------------------------------------------------
@@ -346,6 +352,9 @@ def build_command(options, program, placement, mpiexec, flavour):
         if value is not None:
             environment.pop(name, None)  # a later setting wins and takes its place in the order
             environment[name] = value
+    if flavour == "openmpi" and os.geteuid() == 0:
+        for name in _OPEN_MPI_ROOT_PERMISSION:
+            environment.setdefault(name, "1")
     environment = list(environment.items())
 
     if flavour == "hydra":
@@ -355,6 +364,9 @@ def build_command(options, program, placement, mpiexec, flavour):
             command += ["-genv", name, value]
     elif flavour == "openmpi":
         command = list(mpiexec) + (["--host", _hosts_with_slots(placement)] if placement.hosts else [])
+        if not placement.hosts and placement.ranks > _cores_here():
+            # Open MPI gives one slot per core and refuses more ranks; Hydra runs them anyway.
+            command += _open_mpi_oversubscription(mpiexec)
         command += ["-n", str(placement.ranks)]
         for name, value in environment:
             command += ["-x", f"{name}={value}"]
@@ -372,6 +384,27 @@ def build_command(options, program, placement, mpiexec, flavour):
     else:
         command = list(mpiexec) + ["-n", str(placement.ranks)]  # variables reach the ranks by inheritance
     return command + _pinning(options, flavour) + _rank_command(options, program), environment
+
+
+def _cores_here():
+    """Physical cores this process may run on: Open MPI's slots on this node (hyperthreads share one)."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as file:
+                cores.add(file.read().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))
+
+
+def _open_mpi_oversubscription(mpiexec):
+    """Open MPI 5 (prterun) deprecates --oversubscribe in favour of a mapping modifier."""
+    match = re.search(r"\(Open MPI\) (\d+)\.", _version_banner(tuple(mpiexec)))
+    if match and int(match.group(1)) >= 5:
+        return ["--map-by", ":OVERSUBSCRIBE"]
+    return ["--oversubscribe"]
 
 
 def _hosts_with_slots(placement):
@@ -420,13 +453,17 @@ def _find_mpiexec():
                       "MPI's bin directory on PATH, or name the launcher with TNT_MPIEXEC.")
 
 
+@functools.lru_cache(maxsize=None)
+def _version_banner(mpiexec):
+    try:
+        return subprocess.run(list(mpiexec) + ["--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
 def _mpi_flavour(mpiexec):
     """'hydra' (MPICH, Intel MPI, MVAPICH), 'openmpi', 'srun' or 'unknown'."""
-    try:
-        banner = subprocess.run(list(mpiexec) + ["--version"], capture_output=True, text=True,
-                                timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
+    banner = _version_banner(tuple(mpiexec))
     if "HYDRA" in banner or "Intel(R) MPI" in banner:
         return "hydra"
     if "Open MPI" in banner or "OpenRTE" in banner or "prterun" in banner:
@@ -438,7 +475,7 @@ def _mpi_flavour(mpiexec):
 
 # -- running and failures ----------------------------------------------------------------------
 
-def _run(command, environment, ranks, hosts, start_timeout_s):
+def _run(command, environment, ranks, hosts, start_timeout_s, flavour="unknown"):
     """Runs the MPI launcher; `ranks` is how many ranks announce their start (0: none do)."""
     env = dict(os.environ)
     env.update(environment)
@@ -456,7 +493,7 @@ def _run(command, environment, ranks, hosts, start_timeout_s):
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, forward)
-    monitor = _OutputMonitor(hosts, quiet_tensorflow=not config.tensorflow_startup_logs())
+    monitor = _OutputMonitor(hosts, quiet_tensorflow=not config.tensorflow_startup_logs(), flavour=flavour)
     pumps = [threading.Thread(target=monitor.pass_on_stdout, args=(child.stdout,), daemon=True),
              threading.Thread(target=monitor.pass_on_stderr, args=(child.stderr,), daemon=True)]
     for pump in pumps:
@@ -490,6 +527,9 @@ def _run(command, environment, ranks, hosts, start_timeout_s):
             return 0
         return _report(f"the job failed (exit status 1): {early}", 1)
     code = 1 if stopped_because or status == 0 else 128 - status if status < 0 else status
+    refusal = monitor.launcher_refusal() if status > 0 and not stopped_because else None
+    if refusal:
+        return _report(refusal, code)
     return _report(f"the job failed (exit status {code}): {monitor.failure()}", code)
 
 
@@ -528,13 +568,29 @@ def _report(message, code):
     return code
 
 
+# What Open MPI's own refusals mean for a tarantella user: (a pattern of mpirun's message, the fix).
+_OPEN_MPI_REFUSAL_FIXES = [
+    (r"attempt to run as root", "run as another user, or set OMPI_ALLOW_RUN_AS_ROOT=1 and "
+                                "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 (the tarantella command sets them itself "
+                                "when it runs as root)."),
+    (r"not enough slots", "ask for fewer ranks (-n), list more hosts in the hostfile, or give each host "
+                          "more slots; on one node the tarantella command lets Open MPI oversubscribe."),
+    (r"(?i)unable to find the specified executable|could not\s+access",
+     "check that the program and the Python interpreter exist on every host at the same path."),
+    (r"(?i)unable to (reach|start a daemon)|ssh|orted|prted", "check that `ssh HOST true` works for every host "
+                                                             "without a password, and that Open MPI is installed "
+                                                             "at the same path there."),
+]
+
+
 class _OutputMonitor:
     """Passes the ranks' output on unchanged, and keeps what names a failed rank."""
 
     _KEPT_CHARACTERS = 1 << 16
 
-    def __init__(self, hosts_expected=(), quiet_tensorflow=True):
+    def __init__(self, hosts_expected=(), quiet_tensorflow=True, flavour="unknown"):
         self.hosts_expected = hosts_expected
+        self.flavour = flavour
         self.quiet_tensorflow = quiet_tensorflow
         self.hosts = {}  # rank -> host
         self.ranks_by_pid = {}  # pid -> {host: rank}
@@ -572,6 +628,8 @@ class _OutputMonitor:
 
     def pass_on_stderr(self, stream):
         for line in stream:
+            if not line.strip(b"\0"):  # prterun (Open MPI 5) ends its stderr with a NUL byte
+                continue
             text = line.decode(errors="replace")
             if text.startswith(RANK_ANNOUNCEMENT):
                 self._note(text[len(RANK_ANNOUNCEMENT):].split())
@@ -661,6 +719,23 @@ class _OutputMonitor:
         if killed:  # Open MPI
             return f"rank {killed.group(1)} on host {killed.group(2)} was killed by signal {killed.group(3)}."
         return "see the ranks' messages above."
+
+    def launcher_refusal(self):
+        """One line naming the MPI, the cause and the fix, when Open MPI's mpirun refused to start
+        the job (its own framed message, and no rank started); else None."""
+        if self.flavour != "openmpi" or self.started or self.hosts:
+            return None
+        # Open MPI frames its own messages with lines of dashes; the first paragraph says what is wrong.
+        framed = re.search(r"^-{20,}\n(.*?)^-{20,}$", self.recent, re.S | re.M)
+        if not framed:
+            return None
+        cause = " ".join(framed.group(1).strip().split("\n\n")[0].split())
+        for pattern, fix in _OPEN_MPI_REFUSAL_FIXES:
+            if re.search(pattern, framed.group(1)):
+                break
+        else:
+            fix = "see mpirun's full message above."
+        return f"Open MPI's mpirun refused to start the job: {cause.rstrip('.:')}. Fix: {fix}"
 
     def _rank_of(self, pid, host):
         # MPI names the host as the hostfile does (maybe an address), the rank by its host name.
