@@ -85,14 +85,14 @@ def main(argv=None):
         command, environment = build_command(options, program, placement, mpiexec, flavour)
         _check_program(options, program)
     except LaunchError as error:
-        sys.stderr.write(f"tarantella: error: {error}\n")
+        _say(f"tarantella: error: {error}")
         return 2
     if options.log_level != "ERROR":
         for warning in setting_warnings + placement.warnings:
-            sys.stderr.write(f"tarantella: WARNING: {warning}\n")
+            _say(f"tarantella: WARNING: {warning}")
     if options.log_level in ("INFO", "DEBUG") and (_OPEN_MPI_ROOT_PERMISSION[0] in dict(environment)):
-        sys.stderr.write("tarantella: INFO: running as root, so Open MPI's mpirun gets "
-                         + " ".join(f"{name}=1" for name in _OPEN_MPI_ROOT_PERMISSION) + "\n")
+        _say("tarantella: INFO: running as root, so Open MPI's mpirun gets "
+             + " ".join(f"{name}=1" for name in _OPEN_MPI_ROOT_PERMISSION))
     if options.dry_run:
         print("command:")
         print("  " + shlex.join(command))
@@ -560,12 +560,18 @@ def _stop(child):
 
 
 def _report(message, code):
-    try:
-        sys.stderr.write(f"tarantella: {message}\n")
-        sys.stderr.flush()
-    except (BrokenPipeError, ValueError):
-        pass
+    _say(f"tarantella: {message}")
     return code
+
+
+def _say(line):
+    """Writes one of the command's own lines to its stderr. A closed stderr (`2>&-`, where Python
+    sets sys.stderr to None) or a reader that went away must not change how the job ends."""
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (AttributeError, BrokenPipeError, ValueError, OSError):
+        pass
 
 
 # What Open MPI's own refusals mean for a tarantella user: (a pattern of mpirun's message, the fix).
@@ -607,8 +613,10 @@ class _OutputMonitor:
             self.recent = (self.recent + text)[-self._KEPT_CHARACTERS:]
 
     def _write(self, stream, data):
-        """Writes on; a reader that went away (`| head`) must not stop the job or its output."""
-        if stream in self._broken_streams:
+        """Writes on; a reader that went away (`| head`) must not stop the job or its output. A
+        closed stream (`>&-`: Python's sys.stdout is None) takes nothing, but the ranks' pipes are
+        still drained, or a rank with much output would block in its write."""
+        if stream is None or stream in self._broken_streams:
             return
         try:
             stream.buffer.write(data)

@@ -11,6 +11,8 @@ import textwrap
 import time
 import uuid
 
+import pytest
+
 from conftest import WORKERS, launcher_command, quiet_env
 
 PLAIN = WORKERS / "plain_ranks.py"
@@ -87,6 +89,27 @@ def test_a_reader_that_closes_the_output_early_does_not_stop_the_job():
     assert all(re.fullmatch(r"rank \d line \d+ x+\n", line) for line in first_lines), first_lines
     assert "rank 0: finished" in stderr and "rank 1: finished" in stderr
     assert "BrokenPipeError" not in stderr and "Traceback" not in stderr, stderr
+
+
+@pytest.mark.parametrize("closed", [1, 2], ids=["stdout-closed", "stderr-closed"])
+def test_a_job_started_with_a_closed_standard_stream_runs_to_its_end(closed):
+    # tarantella ... >&- (or 2>&-): Python gives the command sys.stdout (sys.stderr) None. The
+    # output thread died on it, and ranks with more output than a pipe holds blocked for ever;
+    # with stderr closed the command exited 1 at once.
+    marker = f"marker-{uuid.uuid4().hex}"
+    open_stream = 2 if closed == 1 else 1
+    launcher = start("-n", "2", "--no-gpu", "--", str(PLAIN), "chatter", marker, preexec_fn=lambda: os.close(closed),
+                     **{"stderr" if open_stream == 2 else "stdout": subprocess.PIPE})
+    try:
+        stdout, stderr = launcher.communicate(timeout=60)
+        output = stdout if open_stream == 1 else stderr
+        assert launcher.returncode == 0, output
+    finally:
+        stop_leftovers(launcher, marker)
+    if open_stream == 1:  # everything the ranks printed still arrives on the open stream
+        assert output.count(" line ") == 2 * 20000
+    else:
+        assert "Traceback" not in output, output
 
 
 def _start_running_ranks(marker):
