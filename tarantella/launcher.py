@@ -45,6 +45,10 @@ _CLEANUP_GRACE_S = 5.0
 _FAILURE_GRACE_S = 3.0  # after a rank reported its failure, MPI gets this long to end the job itself
 _STOP_GRACE_S = 3.0  # the MPI launcher gets this long to stop its ranks before everything is killed
 _STOP_HERE = "_stop-processes-here"
+# After every rank finished and its process ended, the MPI launcher gets this long to end by itself;
+# past it, only a process a rank started (and left running) holds the ranks' output open.
+_ENDED_GRACE_S = 2.0
+_REMOTE_ENDED_GRACE_S = 10.0  # ranks on other hosts: from their announcement, their end unseen
 # Open MPI's mpirun refuses to run as root (common in containers) unless both are set.
 _OPEN_MPI_ROOT_PERMISSION = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
 _RANK_ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_entry.py")  # internal: what `--cleanup` runs on each host
@@ -513,12 +517,19 @@ def _run(command, environment, ranks, hosts, start_timeout_s, flavour="unknown")
             stopped_because = monitor.start_failure(ranks, start_timeout_s)
         elif monitor.failed and now - monitor.failed[0][-1] > _FAILURE_GRACE_S:
             stopped_because = "failure"  # e.g. a rank failed before MPI started: the others wait in MPI
+        elif ranks and monitor.every_rank_ended(ranks, now):
+            stopped_because = "finished"
         if stopped_because:
             _stop(child)
     for pump in pumps:
         pump.join(timeout=5)
     if interrupted:
         return _report(f"stopped every rank on {signal.Signals(interrupted[0]).name}.", 128 + interrupted[0])
+    if stopped_because == "finished":
+        _say("tarantella: WARNING: every rank finished, but a process a rank started still held the ranks' "
+             "output open, so the MPI launcher was stopped. Wait for the processes your program starts "
+             "(e.g. subprocess.run, or Popen(...).wait()) if their output matters.")
+        return 0
     if stopped_because and stopped_because != "failure":
         return _report(f"the job failed (exit status 1): {stopped_because}", 1)
     if status == 0 and not stopped_because:
@@ -602,6 +613,7 @@ class _OutputMonitor:
         self.ranks_by_pid = {}  # pid -> {host: rank}
         self.started = {}  # rank -> host, from the rank's first line
         self.finished = set()
+        self.finished_at = {}  # rank -> when it announced the end of the program
         self.failed = []  # (rank, host, how, when)
         self.ended_at = {}  # rank -> when its process ended (ranks on this host)
         self.recent = ""
@@ -660,6 +672,7 @@ class _OutputMonitor:
                     threading.Thread(target=self._watch, args=(rank, int(pid)), daemon=True).start()
             elif event == FINISHED:
                 self.finished.add(rank)
+                self.finished_at[rank] = time.monotonic()
             else:
                 self.failed.append((rank, host, how[0] if how else "an error", time.monotonic()))
             return
@@ -676,6 +689,20 @@ class _OutputMonitor:
         select.select([handle], [], [])
         self.ended_at[rank] = time.monotonic()
         os.close(handle)
+
+    def every_rank_ended(self, ranks, now):
+        """Whether all `ranks` finished the program and their processes are gone (on this host,
+        seen ended a grace period ago; on others, announced a longer grace period ago)."""
+        if len(self.finished) < ranks or self.failed:
+            return False
+        here = socket.gethostname()
+        for rank in self.finished:
+            if self.started.get(rank) == here:
+                if now - self.ended_at.get(rank, now) < _ENDED_GRACE_S:
+                    return False
+            elif now - self.finished_at[rank] < _REMOTE_ENDED_GRACE_S:
+                return False
+        return True
 
     def start_failure(self, ranks, timeout_s):
         joined = set(self.started.values())

@@ -112,6 +112,22 @@ def test_a_job_started_with_a_closed_standard_stream_runs_to_its_end(closed):
         assert "Traceback" not in output, output
 
 
+def test_a_child_process_left_running_does_not_keep_the_finished_job_alive():
+    # The child holds the rank's output pipes; the job used to end only when the child did (58-114 s).
+    marker = f"marker-{uuid.uuid4().hex}"
+    started = time.monotonic()
+    launcher = start("-n", "2", "--no-gpu", "--", str(PLAIN), "start-a-child", marker, stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE)
+    try:
+        stdout, stderr = launcher.communicate(timeout=50)
+    finally:
+        stop_leftovers(launcher, marker)
+    assert launcher.returncode == 0, stderr
+    assert time.monotonic() - started < 15
+    assert "rank 0 done" in stdout and "rank 1 done" in stdout
+    assert "a process a rank started still held the ranks' output open" in stderr, stderr
+
+
 def _start_running_ranks(marker):
     launcher = start("-n", "2", "--no-gpu", "--", str(PLAIN), "run-forever", marker, stdout=subprocess.DEVNULL,
                      stderr=subprocess.PIPE)

@@ -26,6 +26,15 @@ def chatter():
     sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()}: finished\n")
 
 
+def start_a_child(marker):
+    """Each rank starts a long command it does not wait for (it inherits the rank's output), then finishes."""
+    import subprocess
+    from mpi4py import MPI
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker])
+    MPI.COMM_WORLD.Barrier()
+    sys.stdout.write(f"rank {MPI.COMM_WORLD.Get_rank()} done\n")
+
+
 def run_forever():
     from mpi4py import MPI
     sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()}: running\n")
@@ -35,4 +44,7 @@ def run_forever():
 
 
 if __name__ == "__main__":
-    {"fail-before-mpi": fail_before_mpi, "chatter": chatter, "run-forever": run_forever}[sys.argv[1]]()
+    if sys.argv[1] == "start-a-child":
+        start_a_child(sys.argv[2])
+    else:
+        {"fail-before-mpi": fail_before_mpi, "chatter": chatter, "run-forever": run_forever}[sys.argv[1]]()
