@@ -46,6 +46,7 @@ import tempfile
 import time
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scaling_worker.py")
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # --against checks revisions out of it
 DEFAULT_REPEATS = 12
 WARMUP_STEPS = 3
 # Timed steps per window: about 0.2-1 s of work per window on 2 cores.
@@ -85,11 +86,10 @@ AGAINST_TARGET = 1.00
 def against_variants(revisions, scratch):
     """label -> (description, ranks, worker variant, folder to import tarantella from) per revision,
     each checked out into a git worktree of its own under `scratch` (removed with it)."""
-    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     variants = {}
     for revision in revisions:
         folder = os.path.join(scratch, f"revision-{len(variants)}")
-        subprocess.run(["git", "-C", repository, "worktree", "add", "--detach", "--quiet", folder, revision],
+        subprocess.run(["git", "-C", REPOSITORY, "worktree", "add", "--detach", "--quiet", folder, revision],
                        check=True)
         commit = subprocess.run(["git", "-C", folder, "rev-parse", "--short", "HEAD"], check=True,
                                 capture_output=True, text=True).stdout.strip()
@@ -98,10 +98,9 @@ def against_variants(revisions, scratch):
 
 
 def remove_worktrees(variants):
-    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for *_, folder in variants.values():
         if folder is not None:
-            subprocess.run(["git", "-C", repository, "worktree", "remove", "--force", folder], check=False)
+            subprocess.run(["git", "-C", REPOSITORY, "worktree", "remove", "--force", folder], check=False)
 
 
 class WorkerFailed(RuntimeError):

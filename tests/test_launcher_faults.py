@@ -54,21 +54,28 @@ def stop_leftovers(launcher, marker):
             pass
 
 
+def run_plain_job(scenario, timeout, **popen):
+    """Runs `tarantella -n 2 -- plain_ranks.py SCENARIO` to its end; returns (returncode, stdout,
+    stderr, seconds). Whatever happens, nothing it started outlives it."""
+    marker = f"marker-{uuid.uuid4().hex}"
+    started = time.monotonic()
+    launcher = start("-n", "2", "--no-gpu", "--", str(PLAIN), scenario, marker,
+                     **{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen})
+    try:
+        stdout, stderr = launcher.communicate(timeout=timeout)
+    finally:
+        stop_leftovers(launcher, marker)
+    return launcher.returncode, stdout, stderr, time.monotonic() - started
+
+
 def last_line(text):
     return text.strip().splitlines()[-1]
 
 
 def test_a_rank_failing_before_mpi_starts_ends_the_job_naming_it_with_its_traceback_once():
-    started = time.monotonic()
-    marker = f"marker-{uuid.uuid4().hex}"
-    launcher = start("-n", "2", "--no-gpu", "--", str(PLAIN), "fail-before-mpi", marker, stdout=subprocess.PIPE,
-                     stderr=subprocess.PIPE)
-    try:
-        _, stderr = launcher.communicate(timeout=30)
-    finally:
-        stop_leftovers(launcher, marker)
-    assert launcher.returncode == 1, stderr
-    assert time.monotonic() - started < 10
+    returncode, _, stderr, seconds = run_plain_job("fail-before-mpi", timeout=30)
+    assert returncode == 1, stderr
+    assert seconds < 10
     assert last_line(stderr) == (f"tarantella: the job failed (exit status 1): rank 1 on host "
                                  f"{socket.gethostname()} raised FileNotFoundError."), stderr
     assert stderr.count("No such file or directory: '/nonexistent/tarantella-test-data.npz'") == 1, stderr
@@ -96,16 +103,11 @@ def test_a_job_started_with_a_closed_standard_stream_runs_to_its_end(closed):
     # tarantella ... >&- (or 2>&-): Python gives the command sys.stdout (sys.stderr) None. The
     # output thread died on it, and ranks with more output than a pipe holds blocked for ever;
     # with stderr closed the command exited 1 at once.
-    marker = f"marker-{uuid.uuid4().hex}"
     open_stream = 2 if closed == 1 else 1
-    launcher = start("-n", "2", "--no-gpu", "--", str(PLAIN), "chatter", marker, preexec_fn=lambda: os.close(closed),
-                     **{"stderr" if open_stream == 2 else "stdout": subprocess.PIPE})
-    try:
-        stdout, stderr = launcher.communicate(timeout=60)
-        output = stdout if open_stream == 1 else stderr
-        assert launcher.returncode == 0, output
-    finally:
-        stop_leftovers(launcher, marker)
+    returncode, stdout, stderr, _ = run_plain_job("chatter", timeout=60, preexec_fn=lambda: os.close(closed),
+                                                  **{"stdout" if closed == 1 else "stderr": None})
+    output = stdout if open_stream == 1 else stderr
+    assert returncode == 0, output
     if open_stream == 1:  # everything the ranks printed still arrives on the open stream
         assert output.count(" line ") == 2 * 20000
     else:
@@ -114,16 +116,9 @@ def test_a_job_started_with_a_closed_standard_stream_runs_to_its_end(closed):
 
 def test_a_child_process_left_running_does_not_keep_the_finished_job_alive():
     # The child holds the rank's output pipes; the job used to end only when the child did (58-114 s).
-    marker = f"marker-{uuid.uuid4().hex}"
-    started = time.monotonic()
-    launcher = start("-n", "2", "--no-gpu", "--", str(PLAIN), "start-a-child", marker, stdout=subprocess.PIPE,
-                     stderr=subprocess.PIPE)
-    try:
-        stdout, stderr = launcher.communicate(timeout=50)
-    finally:
-        stop_leftovers(launcher, marker)
-    assert launcher.returncode == 0, stderr
-    assert time.monotonic() - started < 15
+    returncode, stdout, stderr, seconds = run_plain_job("start-a-child", timeout=50)
+    assert returncode == 0, stderr
+    assert seconds < 15
     assert "rank 0 done" in stdout and "rank 1 done" in stdout
     assert "a process a rank started still held the ranks' output open" in stderr, stderr
 
