@@ -11,6 +11,9 @@ Variants:
   no-monitor    tarantella without the peer monitor's thread and second communicator
                 (ablation: what watching the other ranks costs)
   no-agreement-no-monitor  both ablations
+  horovod       Horovod 0.28.1 on Keras 2: the interpreter of the environment that
+                benchmarks/make_horovod_venv.sh builds runs this file (LeNet-5 and the MLP
+                only: the other models' definitions need Keras 3)
 
 The worker trains one model on random data in a single `fit`. After the untimed warm-up
 steps (tracing), and after every timed window, each rank stops between two steps and
@@ -113,7 +116,8 @@ def transformer(width=128, heads=4, hidden=256, blocks=2):
 MODELS = {"lenet5": (lenet5, 128), "mlp": (mlp, 128), "resnet50": (resnet50, 32), "transformer": (transformer, 64)}
 
 
-def random_dataset(model, global_batch_size):
+def random_data(model, global_batch_size):
+    """Samples and labels for BATCHES_OF_DATA global batches, the same in every variant."""
     rng = np.random.default_rng(SEED)
     samples = global_batch_size * BATCHES_OF_DATA
     if model.name == "transformer":
@@ -123,19 +127,30 @@ def random_dataset(model, global_batch_size):
     else:
         x = rng.random((samples,) + tuple(model.input_shape[1:]), dtype=np.float32)
     y = rng.integers(0, CLASSES, samples).astype(np.int32)
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch_size).repeat()
+    return x, y
+
+
+def rank_share(array, global_batch_size, rank, ranks):
+    """The rows of every global batch that `rank` trains on: its consecutive micro-batch,
+    as tarantella splits a global batch."""
+    if global_batch_size % ranks:
+        raise SystemExit(f"scaling_worker: a global batch of {global_batch_size} does not split into {ranks} ranks")
+    micro_batch_size = global_batch_size // ranks
+    batches = array.reshape((-1, global_batch_size) + array.shape[1:])
+    share = batches[:, rank * micro_batch_size:(rank + 1) * micro_batch_size]
+    return share.reshape((-1,) + array.shape[1:])
 
 
 class WindowedTimer(keras.callbacks.Callback):
     """Times each step; between windows, waits for the coordinator's next command."""
 
-    def __init__(self, args, communicator, is_master, ready_message):
+    def __init__(self, args, rank, is_master, communicator, ready_message):
         super().__init__()
         self._args = args
         self._ready_message = ready_message
-        self._comm = communicator
+        self._comm = communicator  # tarantella's; None for plain Keras and Horovod
         self._is_master = is_master
-        self._commands = open(os.path.join(args.control, f"go-{0 if communicator is None else communicator.rank}"))
+        self._commands = open(os.path.join(args.control, f"go-{rank}"))
         self._results = open(os.path.join(args.control, "results"), "w") if is_master else None
         self._window_ends = {args.warmup_steps + (w + 1) * (1 + args.steps_per_window) - 1
                              for w in range(args.windows)}
@@ -216,7 +231,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--model", choices=MODELS, required=True)
     parser.add_argument("--variant", required=True, choices=[
-        "keras", "tarantella", "no-allreduce", "sync-bn", "no-agreement", "no-monitor", "no-agreement-no-monitor"])
+        "keras", "tarantella", "no-allreduce", "sync-bn", "no-agreement", "no-monitor", "no-agreement-no-monitor",
+        "horovod"])
     parser.add_argument("--windows", type=int, required=True, help="timed windows")
     parser.add_argument("--steps-per-window", type=int, required=True, help="timed steps per window")
     parser.add_argument("--warmup-steps", type=int, default=3, help="untimed first steps (tracing)")
@@ -225,8 +241,23 @@ def main():
     if min(args.windows, args.steps_per_window, args.warmup_steps) < 1:
         parser.error("--windows, --steps-per-window and --warmup-steps must be at least 1")
 
-    communicator, is_master = None, True
-    if args.variant != "keras":
+    rank, ranks, is_master = 0, 1, True  # plain Keras: one process
+    communicator, tarantella_folder, callbacks, ready = None, None, [], {}
+    if args.variant == "horovod":
+        import horovod.tensorflow
+        import horovod.tensorflow.keras as hvd
+        hvd.init()
+        rank, ranks, is_master = hvd.rank(), hvd.size(), hvd.rank() == 0
+        # Each rank its share of the node's cores, as tarantella gives its ranks (Horovod leaves
+        # TensorFlow's defaults, every rank a thread per core).
+        threads = max(1, len(os.sched_getaffinity(0)) // hvd.local_size())
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+        # The coordinator stops these processes between windows (see scaling.py).
+        ready["rank_pids"] = horovod.tensorflow.allgather_object(os.getpid())
+        # Every rank starts from rank 0's weights, as tnt.Model sees to.
+        callbacks.append(hvd.callbacks.BroadcastGlobalVariablesCallback(0))
+    elif args.variant != "keras":
         import tarantella as tnt
         from tarantella import communication
         if args.variant == "no-allreduce":
@@ -241,24 +272,31 @@ def main():
         if "no-monitor" in args.variant:
             communication._PeerMonitor = lambda side_comm, communicator: None
         communicator = communication.init()
-        is_master = tnt.is_master_rank()
+        rank, ranks, is_master = communicator.rank, communicator.size, tnt.is_master_rank()
+        tarantella_folder = os.path.dirname(os.path.dirname(tnt.__file__))
 
     keras.utils.set_random_seed(SEED)
     build, global_batch_size = MODELS[args.model]
     model = build()
     parameters = model.count_params()
-    dataset = random_dataset(model, global_batch_size)
-    if args.variant != "keras":
+    samples, labels = random_data(model, global_batch_size)
+    batch_size = global_batch_size
+    optimizer = keras.optimizers.SGD(0.01)
+    if args.variant == "horovod":
+        # Horovod leaves the data to the program: each rank feeds its share of every global batch.
+        samples, labels = (rank_share(array, global_batch_size, rank, ranks) for array in (samples, labels))
+        batch_size = global_batch_size // ranks
+        optimizer = hvd.DistributedOptimizer(optimizer)
+    elif args.variant != "keras":
         # Only where asked: older revisions (--against) have no such argument.
         model = tnt.Model(model, **({"synchronized_batch_normalization": True} if args.variant == "sync-bn" else {}))
+    dataset = tf.data.Dataset.from_tensor_slices((samples, labels)).batch(batch_size).repeat()
     # Multi-rank tarantella steps never use XLA; keep every variant on the same kind of step.
-    model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"],
-                  jit_compile=False)
-    imported_from = os.path.dirname(os.path.dirname(tnt.__file__)) if args.variant != "keras" else None
-    timer = WindowedTimer(args, communicator, is_master,
-                          {"parameters": parameters, "global_batch_size": global_batch_size,
-                           "tarantella_folder": imported_from})
-    model.fit(dataset, epochs=1, verbose=0, shuffle=False, callbacks=[timer],
+    model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"], jit_compile=False)
+    ready.update(parameters=parameters, global_batch_size=global_batch_size, ranks=ranks,
+                 tarantella_folder=tarantella_folder)
+    callbacks.append(WindowedTimer(args, rank, is_master, communicator, ready))
+    model.fit(dataset, epochs=1, verbose=0, shuffle=False, callbacks=callbacks,
               steps_per_epoch=args.warmup_steps + args.windows * (1 + args.steps_per_window))
 
 
