@@ -131,8 +131,8 @@ def random_data(model, global_batch_size):
 
 
 def rank_share(array, global_batch_size, rank, ranks):
-    """The rows of every global batch that `rank` trains on: its consecutive micro-batch,
-    as tarantella splits a global batch."""
+    """The rows of every global batch that `rank` trains on: a consecutive micro-batch
+    (tarantella takes every ranks-th row instead; on random data the time is the same)."""
     if global_batch_size % ranks:
         raise SystemExit(f"scaling_worker: a global batch of {global_batch_size} does not split into {ranks} ranks")
     micro_batch_size = global_batch_size // ranks
