@@ -11,10 +11,12 @@ TensorFlow runs its ops in.
 Before each collective the ranks agree on it (a 24-byte allreduce of a code of the
 operation), so ranks that enter different collectives get an error naming both, never a
 mismatched buffer in MPI. A training or test step agrees once, on its whole sequence of
-collectives, in the message that also sums the ranks' micro-batch sizes. The caller waits in short slices and meanwhile watches the other
-ranks through a second communicator, served by a monitor thread on every rank: it learns
-at once that a rank it waits for has finished the program, asks the missing ranks what
-they are doing for the stall warning and the timeout, and gives up without waiting for MPI.
+collectives, in the message that also sums the ranks' micro-batch sizes.
+
+The caller waits in short slices and meanwhile watches the other ranks through a second
+communicator, served by a monitor thread on every rank: it learns at once that a rank it
+waits for has finished the program, asks the missing ranks what they are doing for the
+stall warning and the timeout, and gives up without waiting for MPI.
 """
 
 import atexit
