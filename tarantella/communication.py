@@ -147,6 +147,7 @@ class Communicator:
         # What this rank does, for the other ranks' questions: collectives entered, the one it
         # waits in (None between collectives) and the one before.
         self.entered = 0
+        self.agreements = 0  # of the collectives entered, those that opened with an agreement
         self.current = None
         self.last = None
         self._broken = None  # the error after which this communicator cannot be used
@@ -237,6 +238,7 @@ class Communicator:
         self.entered += 1
         if self.size == 1 or agree_on is None:
             return carried
+        self.agreements += 1
         MPI = mpi()
         code = zlib.crc32(agree_on.encode()) % self._code_limit + 1
         # Every collective opens with this one message, so ranks in different collectives still
