@@ -14,9 +14,8 @@ master rank's training-step time and samples/s of:
       Keras 2, from the environment that benchmarks/make_horovod_venv.sh builds (--horovod-venv;
       skipped, with a line saying so, where there is none), under the same launcher and mpiexec;
 and judges the step-time ratios (b)/(a), (c)/(d), (e)/(c), (c)/(@REV) and (c)/(horovod) against
-their targets: this code may not be slower than REV. It also
-counts tarantella's collectives per step (each opens with a 16-byte agreement allreduce,
-which has no switch) and times that agreement.
+their targets: this code may not be slower than REV. It also counts tarantella's agreement
+allreduces per step (one opens each step; there is no switch) and times one.
 
 Every variant trains the same model from the same seed on the same random data (SGD,
 sparse categorical cross-entropy, accuracy). How noise is kept out:
@@ -349,11 +348,11 @@ def analyze(model, measured):
     # Samples/s of (c) over (a) is the step time of (a) over (c).
     speed_up = summarize([a / c for a, c in zip(step["a"], step["c"])]) if "a" in step and "c" in step else None
     ranks = {label: spec["ranks"] for label, spec in measured.get("variants", {}).items()}
-    collectives = {label: statistics.median(w["collectives_per_step"] for w in measured["windows"][label])
-                   for label in measured["windows"] if ranks.get(label, VARIANTS.get(label, (0, 1))[1]) > 1
-                   and None not in [w["collectives_per_step"] for w in measured["windows"][label]]}
+    agreements = {label: statistics.median(w["agreements_per_step"] for w in measured["windows"][label])
+                  for label in measured["windows"] if ranks.get(label, VARIANTS.get(label, (0, 1))[1]) > 1
+                  and None not in [w.get("agreements_per_step") for w in measured["windows"][label]]}
     return {"step_seconds": {label: {**summarize(times), "per_round": times} for label, times in step.items()},
-            "ratios": ratios, "speed_up_c_over_a": speed_up, "collectives_per_step": collectives}
+            "ratios": ratios, "speed_up_c_over_a": speed_up, "agreements_per_step": agreements}
 
 
 # -- output ------------------------------------------------------------------------------
@@ -394,15 +393,15 @@ def print_report(results, repeats):
 
 def print_agreement(analysis, measured):
     agreement = measured["agreement"]
-    counts = analysis["collectives_per_step"]
-    line = f"{'':<26}tarantella collectives per step: " + ", ".join(f"({l}) {n:g}" for l, n in counts.items())
+    counts = analysis["agreements_per_step"]
+    line = f"{'':<26}tarantella agreements per step: " + ", ".join(f"({l}) {n:g}" for l, n in counts.items())
     if agreement["agreement_seconds"] is not None:
         costs = ", ".join(
             f"({label}) {count * agreement['agreement_seconds'] * 1e3:.2f} ms = "
             f"{count * agreement['agreement_seconds'] / analysis['step_seconds'][label]['median'] * 100:.1f}%"
             for label, count in counts.items())
-        line += (f".\n{'':<26}Each opens with a 16-byte agreement allreduce of "
-                 f"{agreement['agreement_seconds'] * 1e6:.0f} us (a whole synchronous 16-byte collective: "
+        line += (f".\n{'':<26}Each is a 24-byte allreduce of "
+                 f"{agreement['agreement_seconds'] * 1e6:.0f} us (a whole synchronous 24-byte collective: "
                  f"{agreement['collective_seconds'] * 1e6:.0f} us); agreeing per step: {costs} of the step")
     print(line)
 

@@ -20,8 +20,8 @@ steps (tracing), and after every timed window, each rank stops between two steps
 reads its next command from its own FIFO (`--control`/go-<rank>): a blocking read, so an
 idle worker takes no CPU from the variant being timed. Commands:
   window      one step that lets the ranks fall in step again, then --steps-per-window timed steps
-  agreement   times the 16-byte agreement allreduce that precedes every tarantella
-              collective, and a whole synchronous tarantella collective (2+ ranks only)
+  agreement   times the 24-byte agreement allreduce that opens every step and every
+              collective outside steps, and a whole synchronous tarantella collective (2+ ranks)
   end         leave the loop once every window has run
 The master rank answers each command with one JSON line on `--control`/results.
 """
@@ -158,7 +158,7 @@ class WindowedTimer(keras.callbacks.Callback):
         self._resync_steps = {end + 1 for end in self._window_ends}
         self._step_seconds = []
         self._step = 0
-        self._entered_at_start = None
+        self._agreed_at_start = None
 
     def on_train_batch_begin(self, batch, logs=None):
         self._started = time.perf_counter()
@@ -169,7 +169,7 @@ class WindowedTimer(keras.callbacks.Callback):
         # A window's first step is untimed: the ranks leave their wait at different moments.
         if step in self._resync_steps:
             self._step_seconds.clear()
-            self._entered_at_start = getattr(self._comm, "entered", None)  # None: no count (an old revision)
+            self._agreed_at_start = _agreements(self._comm)
         if step not in self._window_ends:
             return
         if step == self._args.warmup_steps - 1:
@@ -181,11 +181,11 @@ class WindowedTimer(keras.callbacks.Callback):
 
     def _report_window(self):
         seconds = self._step_seconds
-        collectives = None
-        if self._entered_at_start is not None:
-            collectives = (self._comm.entered - self._entered_at_start) / len(seconds)
+        agreements = None
+        if self._agreed_at_start is not None:
+            agreements = (_agreements(self._comm) - self._agreed_at_start) / len(seconds)
         self._reply({"median_step_seconds": statistics.median(seconds), "mean_step_seconds": statistics.fmean(seconds),
-                     "collectives_per_step": collectives})
+                     "agreements_per_step": agreements})
 
     def _obey_commands(self, until):
         while True:
@@ -203,9 +203,15 @@ class WindowedTimer(keras.callbacks.Callback):
             self._results.flush()
 
 
+def _agreements(communicator):
+    """Agreement allreduces so far; None where the revision counts none. Revisions before
+    `agreements` existed opened every collective they `entered` with one."""
+    return getattr(communicator, "agreements", getattr(communicator, "entered", None))
+
+
 def measure_agreement(communicator):
-    """Median seconds of the agreement's 16-byte allreduce alone, and of a whole synchronous
-    tarantella collective of 16 bytes (worker-thread hand-off, agreement and allreduce).
+    """Median seconds of the agreement's 24-byte allreduce alone, and of a whole synchronous
+    tarantella collective of 24 bytes (worker-thread hand-off, agreement and allreduce).
 
     The two alternate, so that both see the same load; the first calls, which absorb the
     ranks' different wake-up times, are not counted."""
@@ -213,13 +219,13 @@ def measure_agreement(communicator):
         return {"agreement_seconds": None, "collective_seconds": None}
     from mpi4py import MPI
     world = MPI.COMM_WORLD.Dup()
-    codes = np.zeros(2, np.int64)
+    codes = np.zeros(3, np.int64)
     raw, whole = [], []
     for call in range(AGREEMENT_WARMUP_CALLS + AGREEMENT_CALLS):
         started = time.perf_counter()
-        world.Allreduce(MPI.IN_PLACE, codes, op=MPI.MAX)
+        world.Allreduce(MPI.IN_PLACE, codes, op=MPI.SUM)
         between = time.perf_counter()
-        communicator.allreduce_sum(codes, "the benchmark's 16-byte allreduce")
+        communicator.allreduce_sum(codes, "the benchmark's 24-byte allreduce")
         if call >= AGREEMENT_WARMUP_CALLS:
             raw.append(between - started)
             whole.append(time.perf_counter() - between)
@@ -268,9 +274,15 @@ def main():
                 return list(rank_gradients)
             gradients.GradientAllreduce.__call__ = keep_own_gradients
         if "no-agreement" in args.variant:
-            def enter_without_agreement(self, what, agree_on):
+            def enter_without_agreement(self, what, agree_on, carried=0):
+                """Only the step's opening still sums the micro-batch sizes."""
                 self.current = what
                 self.entered += 1
+                if agree_on is None or carried == 0:
+                    return carried
+                counts = np.array([carried], np.int64)
+                self._mpi.Allreduce(communication.mpi().IN_PLACE, counts, op=communication.mpi().SUM)
+                return int(counts[0])
             communication.Communicator.enter = enter_without_agreement
         if "no-monitor" in args.variant:
             communication._PeerMonitor = lambda side_comm, communicator: None
