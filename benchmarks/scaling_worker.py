@@ -275,15 +275,15 @@ def main():
             gradients.GradientAllreduce.__call__ = keep_own_gradients
         if "no-agreement" in args.variant:
             def enter_without_agreement(self, what, agree_on, carried=0):
-                """Only the step's opening still sums the micro-batch sizes."""
                 self.current = what
                 self.entered += 1
-                if agree_on is None or carried == 0:
-                    return carried
-                counts = np.array([carried], np.int64)
-                self._mpi.Allreduce(communication.mpi().IN_PLACE, counts, op=communication.mpi().SUM)
-                return int(counts[0])
+                return carried
+
+            def open_step_without_agreement(self, what, sequence, samples):
+                """The step's opening still sums the micro-batch sizes, in a collective of its own."""
+                return int(self.allreduce_sum(np.array([samples], np.int64), what, agreed=True)[0])
             communication.Communicator.enter = enter_without_agreement
+            communication.Communicator.open_step = open_step_without_agreement
         if "no-monitor" in args.variant:
             communication._PeerMonitor = lambda side_comm, communicator: None
         communicator = communication.init()
