@@ -21,28 +21,35 @@ import textwrap
 import time
 
 PACKAGES = ("slurm-wlm", "munge")
-DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "srun", "salloc", "scancel", "scontrol", "sacct")
+PROGRAMS = ("slurmctld", "slurmd", "munged", "sbatch", "srun", "salloc", "scancel", "scontrol", "sacct")
 
 
 def missing_programs():
-    return [name for name in DAEMONS if not shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")]
+    return [name for name in PROGRAMS if not shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")]
 
 
-def install_with_apt(log):
-    """Installs slurm-wlm and munge; returns None, or why it could not."""
+def pmix_library_present():
+    """Whether Slurm's PMIx plug-in can load: Debian's loads libpmix.so, which only libpmix-dev has."""
+    listing = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    return any(line.split()[:1] == ["libpmix.so"] for line in listing.splitlines())
+
+
+def install_with_apt(log, packages=PACKAGES):
+    """Installs the packages; returns None, or why it could not."""
+    names = " and ".join(packages)
     if os.geteuid() != 0:
-        return "needs root to install slurm-wlm and munge with apt-get"
+        return f"needs root to install {names} with apt-get"
     if not shutil.which("apt-get"):
-        return "no apt-get to install slurm-wlm and munge"
+        return f"no apt-get to install {names}"
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     with open(log, "a") as output:
-        install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
+        install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]
         if subprocess.run(install, stdout=output, stderr=output, env=env, timeout=900).returncode != 0:
             # A fresh machine's package lists may be missing or stale.
             subprocess.run(["apt-get", "update", "-q"], stdout=output, stderr=output, env=env, timeout=600)
             if subprocess.run(install, stdout=output, stderr=output, env=env, timeout=900).returncode != 0:
                 with open(log) as text:
-                    return "apt-get install slurm-wlm munge failed:\n" + text.read()[-2000:]
+                    return f"apt-get install {' '.join(packages)} failed:\n" + text.read()[-2000:]
     return None
 
 

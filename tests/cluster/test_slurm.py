@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from conftest import WORKERS, assert_ok, launcher_command, load_npz, quiet_env
-from slurm_cluster import SlurmCluster, install_with_apt, missing_programs
+from slurm_cluster import SlurmCluster, install_with_apt, missing_programs, pmix_library_present
+from test_open_mpi import open_mpi_env, open_mpi_venv  # noqa: F401  (a fixture)
 
 TRAIN = WORKERS / "train_cases.py"
 SCENARIOS = WORKERS / "scenarios.py"
@@ -53,6 +54,8 @@ def slurm(tmp_path_factory):
         if problem or missing_programs():
             _unavailable(problem or f"slurm-wlm and munge installed, but {missing_programs()} are missing")
         sys.stderr.write(f"\ninstalled slurm-wlm and munge in {time.monotonic() - started:.0f} s\n")
+    if ALL_TESTS and not pmix_library_present():  # for Open MPI under srun; slurmd loads it at its start
+        install_with_apt(tmp_path_factory.mktemp("apt") / "apt.log", packages=("libpmix-dev",))
     cluster = SlurmCluster()
     try:
         try:
@@ -175,6 +178,31 @@ def test_the_command_with_srun_as_launcher_chooses_pmi2_for_mpich(slurm, serial_
 
 
 @only_with_cluster_tests
+def test_open_mpi_ranks_start_with_srun_pmix_and_the_command_chooses_it(slurm, open_mpi_venv, serial_weights,
+                                                                         tmp_path):
+    if not pmix_library_present():
+        pytest.fail("Slurm's PMIx plug-in needs libpmix.so: apt-get install libpmix-dev (failed here)")
+    python = open_mpi_venv / "bin" / "python"
+    direct, through_the_command = tmp_path / "srun", tmp_path / "command"
+    direct.mkdir()
+    through_the_command.mkdir()
+    env = open_mpi_env()
+    process = subprocess.run([str(part) for part in ["srun", "--mpi=pmix", "--nodes=2", "--ntasks=2", python,
+                                                     *train(direct)]],
+                             capture_output=True, text=True, timeout=JOB_TIMEOUT_S, env=slurm.env(env))
+    assert_ok(process)
+    assert_trained_like_serial(direct, 2, serial_weights)
+    assert_keras_output_once(process.stdout)
+    command = [open_mpi_venv / "bin" / "tarantella", "--no-gpu", "--", *train(through_the_command)]
+    process = subprocess.run([str(part) for part in ["salloc", "--nodes=2", "--ntasks-per-node=1", *command]],
+                             capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
+                             env=slurm.env(env, TNT_MPIEXEC="srun"))
+    assert_ok(process)
+    assert_trained_like_serial(through_the_command, 2, serial_weights)
+    assert_keras_output_once(process.stdout)
+
+
+@only_with_cluster_tests
 def test_an_allocation_with_uneven_tasks_per_node_is_refused_with_the_fix(slurm):
     process = run(slurm, ["salloc", "--nodes=2", "--ntasks=3", *launcher_command(), "--dry-run", "--no-gpu",
                           "--", "t.py"])
@@ -214,6 +242,7 @@ def test_scancel_mid_epoch_ends_every_rank_and_the_job_shows_cancelled(slurm, tm
     while set(slurm.processes_in_nodes()) - slurm.daemon_pids():  # no step daemon, proxy or srun is left
         assert time.monotonic() - cancelled_at < 60, _describe(set(slurm.processes_in_nodes()) - slurm.daemon_pids())
         time.sleep(0.5)
+    assert "tarantella: stopped every rank on SIGTERM.\n" in (tmp_path / "job.out").read_text()
     sys.stderr.write(f"\nevery rank ended {ended_after:.1f} s after scancel\n")
     assert ended_after < 15  # SIGTERM, then SIGKILL after KillWait (5 s here)
 
