@@ -622,6 +622,21 @@ def _started_by_an_mpi_launcher():
                                                                          int(slurm_tasks) > 1)
 
 
+def _check_srun_reached_mpi(size):
+    """srun started several tasks but MPI sees one: srun's PMI plug-in (--mpi) does not suit this MPI
+    library, which then makes every task a job of its own. Each would train alone, all as the
+    master, writing the same files."""
+    tasks = os.environ.get("PMI_SIZE") or os.environ.get("SLURM_STEP_NUM_TASKS", "")
+    if size != 1 or "SLURM_STEP_NUM_TASKS" not in os.environ or not tasks.isdigit() or int(tasks) < 2:
+        return
+    chosen = os.environ.get("SLURM_MPI_TYPE", "none")
+    raise RuntimeError(
+        f"srun started {tasks} tasks, but MPI made each of them a job of its own (size 1): srun's PMI plug-in "
+        f"({chosen}) does not suit this MPI library. Start the ranks with `srun --mpi=pmi2` (MPICH, Intel MPI) "
+        "or `srun --mpi=pmix` (Open MPI); `srun --mpi=list` shows what the cluster offers. Or run the "
+        "`tarantella` command inside the allocation, which chooses for you.")
+
+
 class _SerialComm:
     """A communicator of one process, for a serial run without MPI: every collective's result
     is this process's own contribution."""
@@ -692,6 +707,7 @@ def init():
         MPI = _SerialMPI
     _MPI = MPI
     world = MPI.COMM_WORLD
+    _check_srun_reached_mpi(world.Get_size())
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     local_rank, local_size = node.Get_rank(), node.Get_size()
     node.Free()

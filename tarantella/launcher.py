@@ -269,7 +269,44 @@ def _slurm_ranks_per_node():
         match = re.fullmatch(r"(\d+)(?:\(x\d+\))?", entry)
         if match:
             counts.add(int(match.group(1)))
-    return counts.pop() if len(counts) == 1 else None
+    if len(counts) > 1:
+        # e.g. `sbatch -n 3 -N 2`: running one rank per node instead would leave tasks idle, silently.
+        raise LaunchError(f"the Slurm allocation has different numbers of tasks per node (SLURM_TASKS_PER_NODE="
+                          f"{os.environ['SLURM_TASKS_PER_NODE']}), and tarantella runs as many ranks on every "
+                          "node. Ask Slurm for the same number on each (--ntasks-per-node), or give -n or "
+                          "--n-per-node.")
+    return counts.pop() if counts else None
+
+
+# srun's PMI plug-in for each family of MPI launchers: MPICH, Intel MPI and MVAPICH (Hydra) speak PMI-2;
+# Open MPI 5 only PMIx (docs/running.md, Slurm).
+_SRUN_PMI_PLUGIN = {"hydra": "pmi2", "openmpi": "pmix"}
+
+
+def srun_pmi_option(srun):
+    """srun's `--mpi=PLUGIN` for the MPI that mpi4py loads, when nothing else chose one: neither the
+    srun command (TNT_MPIEXEC), SLURM_MPI_TYPE nor the cluster (MpiDefault). With Slurm's own
+    default, none, MPI cannot find the other tasks and each rank would train alone, as a job of
+    size 1."""
+    if any(word == "--mpi" or word.startswith("--mpi=") for word in srun) or os.environ.get("SLURM_MPI_TYPE"):
+        return []
+    if _slurm_mpi_default(srun) not in (None, "none"):
+        return []
+    library_launcher = _launcher_of_the_mpi_library()
+    plugin = _SRUN_PMI_PLUGIN.get(_mpi_flavour([library_launcher])) if library_launcher else None
+    return [f"--mpi={plugin}"] if plugin else []
+
+
+def _slurm_mpi_default(srun):
+    """The cluster's MpiDefault (`scontrol show config`, found beside srun first), or None."""
+    beside_srun = os.path.join(os.path.dirname(shutil.which(srun[0]) or ""), "scontrol")
+    scontrol = beside_srun if os.access(beside_srun, os.X_OK) else "scontrol"
+    try:
+        listing = subprocess.run([scontrol, "show", "config"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"^MpiDefault\s*=\s*(\S+)", listing, re.M)
+    return match.group(1) if match else None
 
 
 def count_gpus():
@@ -379,6 +416,7 @@ def build_command(options, program, placement, mpiexec, flavour):
                                    "--kill-on-bad-exit=1"]
         if placement.hosts:
             command += [f"--nodes={len(placement.hosts)}", "--nodelist=" + ",".join(placement.hosts)]
+        command += srun_pmi_option(mpiexec)
         # srun's --export cannot carry values with commas; env can carry anything.
         command += ["env"] + [f"{name}={value}" for name, value in environment]
     elif placement.hosts:
@@ -446,15 +484,20 @@ def _find_mpiexec():
             raise LaunchError(f"TNT_MPIEXEC={configured!r} names {command[0]!r}, which is not an executable "
                               "program (nor on PATH). Fix TNT_MPIEXEC, or unset it to use mpiexec.")
         return command
-    # The `mpich` wheel installs mpiexec beside the interpreter, which need not be on PATH.
-    beside_python = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if os.access(beside_python, os.X_OK):
-        return [beside_python]
-    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    found = _launcher_of_the_mpi_library()
     if found:
         return [found]
     raise LaunchError("no mpiexec found. Install an MPI (e.g. pip install 'tarantella[mpich]'), put your "
                       "MPI's bin directory on PATH, or name the launcher with TNT_MPIEXEC.")
+
+
+def _launcher_of_the_mpi_library():
+    """The mpiexec that comes with the MPI mpi4py loads, or None."""
+    # The `mpich` wheel installs mpiexec beside the interpreter, which need not be on PATH.
+    beside_python = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.access(beside_python, os.X_OK):
+        return beside_python
+    return shutil.which("mpiexec") or shutil.which("mpirun")
 
 
 @functools.lru_cache(maxsize=None)
