@@ -31,7 +31,7 @@ import zlib
 
 import numpy as np
 
-from tarantella import config
+from tarantella import config, timeline
 
 logger = logging.getLogger("tarantella")
 
@@ -182,18 +182,22 @@ class Communicator:
         self._refuse_if_broken(what)
         outcome = {}
         done = threading.Event()
+        recorder = timeline.recorder
 
         def job():
             try:
-                outcome["value"] = body()
+                outcome["value"] = body() if recorder is None else recorder.run_collective(what, body)
             except BaseException as error:
                 outcome["error"] = error
             finally:
                 self.leave()
                 done.set()
 
+        called = recorder and recorder.now()
         self._jobs.put(job)
         self._wait(done.wait, what)
+        if recorder is not None:
+            recorder.caller_waited(what, called)
         if "error" in outcome:
             raise _remember(outcome["error"])
         return outcome.get("value")
@@ -366,11 +370,15 @@ class Communicator:
                 begin = lambda: self.enter(what, agree_on)
                 self._jobs.put(lambda: self._reduce_round(step_round, begin))
             step_round = self._round
+        if timeline.recorder is not None:
+            timeline.recorder.handed_over(index)
         step_round.deposit(index, array)
 
     def _reduce_round(self, step_round, begin):
+        recorder = timeline.recorder
+        reduce = self._reduce_bucket if recorder is None else recorder.timed_buckets(self._reduce_bucket)
         try:
-            step_round.reduce_in_plan_order(begin, self._reduce_bucket)
+            step_round.reduce_in_plan_order(begin, reduce)
         finally:
             self.leave()
 
@@ -434,10 +442,13 @@ class Communicator:
         """Waits until every bucket of this step is reduced; returns them in plan order."""
         with self._round_lock:
             step_round, self._round = self._round, None
+        called = timeline.recorder and timeline.recorder.now()
         try:
             self._wait(step_round.wait, f"the gradient allreduce of step {self._steps_reduced + 1}")
         except BaseException as error:
             raise _remember(error)
+        if timeline.recorder is not None:
+            timeline.recorder.caller_waited("the gradient allreduce", called)
         self._steps_reduced += 1
         return step_round.arrays
 
@@ -731,6 +742,8 @@ def init():
         _configure_tensorflow(local_rank, local_size)
     if _world.size > 1:
         _stop_all_ranks_on_uncaught_error(_world.rank)
+    if config.timeline_path() is not None:
+        timeline.start(_world, config.timeline_path())
     return _world
 
 

@@ -112,6 +112,18 @@ def tensorflow_startup_logs():
     return _flag("TNT_TENSORFLOW_STARTUP_LOGS")
 
 
+def timeline_path():
+    """The trace file the master writes (`tarantella --timeline FILE`); None: no timeline."""
+    path = os.environ.get("TNT_TIMELINE", "").strip()
+    if not path:
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"TNT_TIMELINE={path!r}: the folder {folder} does not exist; create it or name a "
+                         "file in an existing folder.")
+    return path
+
+
 # Every setting a user may give, with the function that reads (and checks) it; None: read elsewhere.
 _SETTINGS = {
     "TNT_FUSION_THRESHOLD": fusion_threshold_bytes, "TNT_COLLECTIVE_TIMEOUT": collective_timeout_s,
@@ -119,7 +131,7 @@ _SETTINGS = {
     "TNT_OUTPUT_ON_ALL_DEVICES": output_on_all_devices, "TNT_TENSORBOARD_ON_ALL_DEVICES": tensorboard_on_all_devices,
     "TNT_LOG_ON_ALL_DEVICES": log_on_all_devices, "TNT_USE_GPU": use_gpu, "TNT_ANNOUNCE_RANKS": announce_ranks,
     "TNT_LOG_LEVEL": log_level, "TNT_STALL_WARNING": stall_warning_s, "TNT_START_TIMEOUT": start_timeout_s,
-    "TNT_TENSORFLOW_STARTUP_LOGS": tensorflow_startup_logs, "TNT_MPIEXEC": None,
+    "TNT_TENSORFLOW_STARTUP_LOGS": tensorflow_startup_logs, "TNT_TIMELINE": timeline_path, "TNT_MPIEXEC": None,
 }
 
 

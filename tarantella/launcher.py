@@ -138,6 +138,9 @@ def _parse(argv):
                                                   "order kept")
     parser.add_argument("--fusion-threshold", type=_kilobytes, metavar="KB",
                         help="smallest fused gradient allreduce in kilobytes (default 32; 0 = no fusion)")
+    parser.add_argument("--timeline", metavar="FILE",
+                        help="write a trace of every rank's steps and collectives to FILE (Chrome trace-event "
+                             "JSON: Perfetto, chrome://tracing), and print a step report per rank after fit")
     parser.add_argument("--output-on-all-devices", action="store_true",
                         help="show Keras output (progress bars, callback messages) of every rank, "
                              "not only the master's")
@@ -387,6 +390,7 @@ def build_command(options, program, placement, mpiexec, flavour):
                 ("TNT_LOG_LEVEL", options.log_level),
                 ("TNT_LOG_ON_ALL_DEVICES", "true" if options.log_on_all_devices else None),
                 ("TNT_USE_GPU", None if placement.use_gpu else "false"),
+                ("TNT_TIMELINE", os.path.abspath(options.timeline) if options.timeline else None),
                 ("TNT_ANNOUNCE_RANKS", "true")]
     settings += [tuple(assignment.split("=", 1)) for assignment in options.variables]
     for name, value in settings:

@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from tarantella import callbacks as callbacks_module
-from tarantella import agreement, communication, config, data, distributed_step, gradients, saving
+from tarantella import agreement, communication, config, data, distributed_step, gradients, saving, timeline
 
 logger = communication.logger
 
@@ -234,6 +234,8 @@ class Model(keras.Model):
                 steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
                 validation_freq=validation_freq, shuffle=keras_shuffle)
         self._use_masters_statistics()
+        if timeline.recorder is not None:
+            timeline.recorder.write(self._comm, report=True)
         return history
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
@@ -273,6 +275,20 @@ class Model(keras.Model):
             return super().predict(x, verbose=self._verbosity(verbose), steps=steps, callbacks=callbacks)
 
     # -- the steps: the wrapped model's own, made global by DistributedStep -----------------
+
+    def make_train_function(self, force=False):
+        new = self.train_function is None or force
+        super().make_train_function(force)
+        if new and timeline.recorder is not None:
+            self.train_function = timeline.recorder.timed_steps(self.train_function, "training step")
+        return self.train_function
+
+    def make_test_function(self, force=False):
+        new = self.test_function is None or force
+        super().make_test_function(force)
+        if new and timeline.recorder is not None:
+            self.test_function = timeline.recorder.timed_steps(self.test_function, "test step")
+        return self.test_function
 
     def train_step(self, data_batch):
         if not self._distributed:
