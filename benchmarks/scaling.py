@@ -8,13 +8,17 @@ master rank's training-step time and samples/s of:
   (c) tarantella at 2 ranks;
   (d) 2 ranks with the gradient allreduce monkeypatched away: the compute-only ceiling;
   (e) ResNet-50 only: 2 ranks with synchronized BatchNormalization;
+  (ring) with (c) and (d): the bare ring allreduce (mpi4py) of the model's gradient bytes over
+      (c)'s two ranks, timed in every round: (d) + (ring) is what a 2-rank step costs at best on
+      this machine, where the allreduce cannot hide behind compute (the ranks share its cores);
+  (timeline) named in --variants only: (c) recording its timeline (tarantella --timeline);
   (@REV) with --against REV: tarantella as it was at git revision REV, at 2 ranks (a git
       worktree of REV, imported by the same Python and packages; the worker is this one);
   (horovod) LeNet-5 and the MLP only: Horovod 0.28.1 at 2 ranks, on TensorFlow 2.15 and
       Keras 2, from the environment that benchmarks/make_horovod_venv.sh builds (--horovod-venv;
       skipped, with a line saying so, where there is none), under the same launcher and mpiexec;
-and judges the step-time ratios (b)/(a), (c)/(d), (e)/(c), (c)/(@REV) and (c)/(horovod) against
-their targets: this code may not be slower than REV. It also counts tarantella's agreement
+and judges the step-time ratios (b)/(a), (c)/(d), (c)/((d)+(ring)), (e)/(c), (timeline)/(c),
+(c)/(@REV) and (c)/(horovod) against their targets: this code may not be slower than REV. It also counts tarantella's agreement
 allreduces per step (one opens each step; there is no switch) and times one.
 
 Every variant trains the same model from the same seed on the same random data (SGD,
@@ -83,18 +87,24 @@ VARIANTS = {
     "no-agreement": Variant("2 ranks, no agreement allreduce", 2, "no-agreement"),
     "no-monitor": Variant("2 ranks, no peer monitor", 2, "no-monitor"),
     "no-agreement-no-monitor": Variant("2 ranks, neither", 2, "no-agreement-no-monitor"),
+    # What recording the timeline costs, timed only when named in --variants.
+    "timeline": Variant("2 ranks, --timeline", 2, "timeline"),
     # Its interpreter comes from --horovod-venv.
     "horovod": Variant("Horovod (Keras 2), 2 ranks", 2, "horovod", stop_between_windows=True),
 }
-# Upper bounds on step-time ratios (numerator, denominator): what tarantella costs at one
-# rank, what the gradient allreduce costs at two, what synchronized BatchNormalization adds,
-# and how tarantella's 2-rank step compares with Horovod's (issue 24).
+# Upper bounds on step-time ratios (numerator, denominator; "d+ring" is the sum of both per
+# round): what tarantella costs at one rank, what the gradient allreduce costs at two, the
+# 2-rank step against the machine's limit (compute plus a bare ring allreduce, issue 22), what
+# synchronized BatchNormalization adds, what the timeline costs, and how tarantella's 2-rank
+# step compares with Horovod's (issue 24).
+TIMELINE_TARGET = 1.03
 RATIO_TARGETS = {
-    "lenet5": {("b", "a"): 1.02, ("c", "d"): 1.08, ("c", "horovod"): 0.95},
-    "mlp": {("b", "a"): 1.02, ("c", "d"): 1.25, ("c", "horovod"): 0.90},
-    "resnet50": {("b", "a"): 1.02, ("c", "d"): 1.10, ("e", "c"): 1.10},
-    "transformer": {("b", "a"): 1.02, ("c", "d"): 1.10},
+    "lenet5": {("b", "a"): 1.02, ("c", "d"): 1.08, ("c", "d+ring"): 1.05, ("c", "horovod"): 0.95},
+    "mlp": {("b", "a"): 1.02, ("c", "d"): 1.25, ("c", "d+ring"): 1.03, ("c", "horovod"): 0.90},
+    "resnet50": {("b", "a"): 1.02, ("c", "d"): 1.10, ("c", "d+ring"): 1.03, ("e", "c"): 1.15},
+    "transformer": {("b", "a"): 1.02, ("c", "d"): 1.10, ("c", "d+ring"): 1.05},
 }
+RING = "bare ring allreduce (mpi4py), 2 ranks"
 MODELS = list(RATIO_TARGETS)
 MODEL_VARIANTS = {model: list("abcde" if model == "resnet50" else "abcd") for model in MODELS}
 for model in ("lenet5", "mlp"):  # the worker's other models need Keras 3
@@ -149,7 +159,7 @@ def horovod_skipped(models, named, horovod, venv):
 def select_variants(model, named, revisions, horovod, horovod_venv):
     """{label: Variant} to time for `model`: those `named` (None: the model's own, without the
     ablations) plus the revisions'. Raises ValueError for a name it cannot time."""
-    ablations = [label for label in VARIANTS if label.startswith("no-")]
+    ablations = [label for label in VARIANTS if label.startswith("no-") or label == "timeline"]
     variants = {label: VARIANTS[label] for label in MODEL_VARIANTS[model] + ablations}
     variants.update(revisions)
     if named is None:
@@ -287,8 +297,11 @@ def measure_model(model, variants, repeats, steps, warmup, scratch):
             for label in order:
                 workers[label].send("window")
                 windows[label].append(workers[label].receive(WINDOW_TIMEOUT_S))
+            if "c" in workers and "d" in workers:  # the limit, moments after the windows it bounds
+                workers["c"].send("ring")
+                windows.setdefault("ring", []).append(workers["c"].receive(WINDOW_TIMEOUT_S))
             print(f"[{model} round {repeat + 1}/{repeats}] " + " ".join(
-                f"{label} {windows[label][-1]['median_step_seconds'] * 1e3:.1f}" for label in labels) + " ms/step",
+                f"{label} {windows[label][-1]['median_step_seconds'] * 1e3:.1f}" for label in windows) + " ms/step",
                 file=sys.stderr, flush=True)
         agreement = {"agreement_seconds": None, "collective_seconds": None}
         if "c" in workers:
@@ -300,11 +313,14 @@ def measure_model(model, variants, repeats, steps, warmup, scratch):
         for worker in workers.values():
             worker.stop()
     first = ready[labels[0]]
+    described = {label: {"description": variant.description, "ranks": variant.ranks}
+                 for label, variant in variants.items()}
+    if "ring" in windows:
+        described["ring"] = {"description": RING, "ranks": 2}
     return {"parameters": first["parameters"], "global_batch_size": first["global_batch_size"],
             "steps_per_window": steps, "start_seconds": start_seconds,
             "seconds": time.monotonic() - started, "windows": windows, "agreement": agreement,
-            "variants": {label: {"description": variant.description, "ranks": variant.ranks}
-                         for label, variant in variants.items()}}
+            "variants": described}
 
 
 # -- statistics --------------------------------------------------------------------------
@@ -335,12 +351,14 @@ def analyze(model, measured):
     step = {label: [w["median_step_seconds"] for w in windows] for label, windows in measured["windows"].items()}
     ratios = {}
     targets = {**RATIO_TARGETS[model], **{("c", label): AGAINST_TARGET for label in step if label.startswith("@")},
-               **{("c", label): None for label in step if label.startswith("no-")}}
+               **{("c", label): None for label in step if label.startswith("no-")},
+               ("timeline", "c"): TIMELINE_TARGET}
     for (numerator, denominator), target in targets.items():
-        if numerator not in step or denominator not in step:
+        summands = denominator.split("+")
+        if numerator not in step or any(label not in step for label in summands):
             continue
-        # Per round: the two windows ran moments apart, so the machine's drift cancels.
-        per_round = [n / d for n, d in zip(step[numerator], step[denominator])]
+        # Per round: the windows ran moments apart, so the machine's drift cancels.
+        per_round = [n / sum(d) for n, *d in zip(step[numerator], *(step[label] for label in summands))]
         spread = summarize(per_round)
         ratios[f"{numerator}/{denominator}"] = {
             **spread, "per_round": per_round, "target": target,
@@ -379,8 +397,9 @@ def print_report(results, repeats):
         print(f"{'':<26}global batch {batch}, {measured['steps_per_window']} timed step(s) per window")
         for name, ratio in analysis["ratios"].items():
             numerator, denominator = name.split("/", 1)
+            denominator = "+".join(f"({label})" for label in denominator.split("+"))
             quartiles = f"{ratio['q1']:.3f}-{ratio['q3']:.3f}"
-            print(f"{'':<26}{f'({numerator})/({denominator}) step time':<38}{ratio['median']:>9.3f}"
+            print(f"{'':<26}{f'({numerator})/{denominator} step time':<38}{ratio['median']:>9.3f}"
                   f"{quartiles:>12}  min-max {ratio['min']:.3f}-{ratio['max']:.3f}, "
                   + (f"target <= {ratio['target']:.2f}: " if ratio["target"] is not None else "") + ratio["verdict"])
         speed_up = analysis["speed_up_c_over_a"]

@@ -11,6 +11,7 @@ Variants:
   no-monitor    tarantella without the peer monitor's thread and second communicator
                 (ablation: what watching the other ranks costs)
   no-agreement-no-monitor  both ablations
+  timeline      tarantella recording its timeline (TNT_TIMELINE, written to the control folder)
   horovod       Horovod 0.28.1 on Keras 2: the interpreter of the environment that
                 benchmarks/make_horovod_venv.sh builds runs this file (LeNet-5 and the MLP
                 only: the other models' definitions need Keras 3)
@@ -22,6 +23,8 @@ idle worker takes no CPU from the variant being timed. Commands:
   window      one step that lets the ranks fall in step again, then --steps-per-window timed steps
   agreement   times the 24-byte agreement allreduce that opens every step and every
               collective outside steps, and a whole synchronous tarantella collective (2+ ranks)
+  ring        times --steps-per-window bare ring allreduces (mpi4py) of the model's gradient
+              bytes over the same ranks: the physical limit of the step's gradient traffic
   end         leave the loop once every window has run
 The master rank answers each command with one JSON line on `--control`/results.
 """
@@ -194,8 +197,10 @@ class WindowedTimer(keras.callbacks.Callback):
                 return
             if command == "agreement":
                 self._reply(measure_agreement(self._comm))
+            elif command == "ring":
+                self._reply({"median_step_seconds": measure_bare_ring(self.model, self._args.steps_per_window)})
             else:
-                raise SystemExit(f"scaling_worker: expected '{until}' or 'agreement', got {command!r}")
+                raise SystemExit(f"scaling_worker: expected '{until}', 'agreement' or 'ring', got {command!r}")
 
     def _reply(self, message):
         if self._is_master:
@@ -233,12 +238,42 @@ def measure_agreement(communicator):
     return {"agreement_seconds": statistics.median(raw), "collective_seconds": statistics.median(whole)}
 
 
+def measure_bare_ring(model, calls):
+    """Median seconds of a ring allreduce of the model's gradient bytes (float32) over COMM_WORLD, in
+    mpi4py alone: reduce-scatter then allgather over Sendrecv with numpy adding, as tarantella's ring;
+    below 1 MiB MPI's Allreduce, as tarantella. The first call is not counted."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD.Dup()
+    rank, size = world.Get_rank(), world.Get_size()
+    values = np.ones(sum(int(np.prod(v.shape)) for v in model.trainable_variables), np.float32)
+    chunks = np.array_split(values, size)
+    incoming = np.empty_like(chunks[0])
+    right, left = (rank + 1) % size, (rank - 1) % size
+    seconds = []
+    for _ in range(calls + 1):
+        world.Barrier()
+        started = time.perf_counter()
+        if values.nbytes < 1 << 20:
+            world.Allreduce(MPI.IN_PLACE, values, op=MPI.SUM)
+        else:
+            for step in range(size - 1):
+                arriving = chunks[(rank - step - 1) % size]
+                world.Sendrecv(chunks[(rank - step) % size], dest=right, recvbuf=incoming[:arriving.size], source=left)
+                np.add(arriving, incoming[:arriving.size], out=arriving)
+            for step in range(size - 1):
+                world.Sendrecv(chunks[(rank + 1 - step) % size], dest=right, recvbuf=chunks[(rank - step) % size],
+                               source=left)
+        seconds.append(time.perf_counter() - started)
+    world.Free()
+    return statistics.median(seconds[1:])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--model", choices=MODELS, required=True)
     parser.add_argument("--variant", required=True, choices=[
         "keras", "tarantella", "no-allreduce", "sync-bn", "no-agreement", "no-monitor", "no-agreement-no-monitor",
-        "horovod"])
+        "timeline", "horovod"])
     parser.add_argument("--windows", type=int, required=True, help="timed windows")
     parser.add_argument("--steps-per-window", type=int, required=True, help="timed steps per window")
     parser.add_argument("--warmup-steps", type=int, default=3, help="untimed first steps (tracing)")
@@ -264,6 +299,8 @@ def main():
         # Every rank starts from rank 0's weights, as tnt.Model sees to.
         callbacks.append(hvd.callbacks.BroadcastGlobalVariablesCallback(0))
     elif args.variant != "keras":
+        if args.variant == "timeline":
+            os.environ["TNT_TIMELINE"] = os.path.join(args.control, "timeline.json")
         import tarantella as tnt
         from tarantella import communication
         if args.variant == "no-allreduce":

@@ -150,3 +150,32 @@ def test_horovod_ranks_train_on_the_micro_batches_tarantella_would_give_them():
 
 def test_the_horovod_environment_script_is_valid_bash():
     subprocess.run(["bash", "-n", str(_PATH.parent / "make_horovod_venv.sh")], check=True)
+
+
+def test_the_two_rank_step_is_judged_against_compute_plus_a_bare_ring_allreduce_per_round():
+    drift = [1.0, 2.0, 1.5, 3.0, 1.2]
+    step_ms = {"c": [104 * f for f in drift], "d": [80 * f for f in drift], "ring": [20 * f for f in drift],
+               "e": [115 * f for f in drift]}
+    ratios = scaling.analyze("resnet50", _measured(step_ms))["ratios"]
+    assert ratios["c/d+ring"]["median"] == pytest.approx(1.04)
+    assert ratios["c/d+ring"]["target"] == 1.03 and ratios["c/d+ring"]["verdict"] == "MISSED"
+    assert ratios["e/c"]["target"] == 1.15 and ratios["e/c"]["verdict"] == "met"
+    lenet5 = scaling.analyze("lenet5", _measured(step_ms))["ratios"]["c/d+ring"]
+    assert lenet5["target"] == 1.05 and lenet5["verdict"] == "met"
+
+
+def test_what_the_timeline_costs_is_judged_when_it_is_timed():
+    step_ms = {"c": [100] * 5, "timeline": [101, 102, 101, 102, 101]}
+    ratio = scaling.analyze("mlp", _measured(step_ms))["ratios"]["timeline/c"]
+    assert ratio["target"] == scaling.TIMELINE_TARGET and ratio["verdict"] == "met"
+    assert "timeline" not in scaling.select_variants("mlp", None, {}, None, "")
+    assert list(scaling.select_variants("mlp", ["c", "timeline"], {}, None, "")) == ["c", "timeline"]
+
+
+def test_the_worker_times_a_bare_ring_allreduce_of_the_gradient_bytes():
+    """In one process (the ring itself then has no partner): the timing path runs and answers seconds."""
+    worker = _load("scaling_worker")
+
+    class Model:
+        trainable_variables = [np.zeros((600, 600), np.float32)]  # 1.4 MB: the ring path
+    assert worker.measure_bare_ring(Model(), 2) > 0
