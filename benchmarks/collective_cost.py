@@ -16,8 +16,9 @@ output is the median over rounds with the interquartile range, and each way agai
                     the same from a stateful numpy_function in a tf.function
   in-step           a tf.function calling allreduce_sum(agreed=True) from a numpy_function, as the
                     step's losses-and-metrics collective does
-With TNT_TIMELINE set the trace shows each call's hand-off: the caller's blocked span against
-the worker's span of the same collective.
+With TNT_TIMELINE set (tarantella --timeline FILE) the master also splits each way's calls, from
+the recorded events, into the hand-off to the worker (the caller's call to the worker's start),
+the collective on the worker, and the hand-back (the worker's end to the caller's return).
 """
 
 import argparse
@@ -28,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 import tarantella as tnt
-from tarantella import communication
+from tarantella import communication, timeline
 
 
 def main():
@@ -50,14 +51,14 @@ def main():
 
     @tf.function
     def in_step(tensor):
-        return tf.numpy_function(lambda array: comm.allreduce_sum(array, "the benchmark's allreduce", agreed=True),
+        return tf.numpy_function(lambda array: comm.allreduce_sum(array, "in-step", agreed=True),
                                  [tensor], tf.int64, stateful=True)
 
     tensor = tf.constant(values)
     ways = {
         "bare": bare,
-        "worker": lambda: comm.allreduce_sum(values, "the benchmark's allreduce"),
-        "worker, agreed": lambda: comm.allreduce_sum(values, "the benchmark's allreduce", agreed=True),
+        "worker": lambda: comm.allreduce_sum(values, "worker"),
+        "worker, agreed": lambda: comm.allreduce_sum(values, "worker, agreed", agreed=True),
         "tnt.allreduce": lambda: tnt.allreduce(values),
         "tnt.allreduce in tf.function": lambda: public_in_function(tensor),
         "in-step": lambda: in_step(tensor),
@@ -66,6 +67,8 @@ def main():
     for way in ways.values():  # tracing and first calls
         for _ in range(20):
             way()
+    if timeline.recorder is not None:
+        timeline.recorder.events.clear()
     for round_number in range(args.rounds):
         order = list(ways) if round_number % 2 == 0 else list(ways)[::-1]
         for name in order:
@@ -79,6 +82,8 @@ def main():
     world.Free()
     if comm.rank != 0:
         return
+    if timeline.recorder is not None:
+        print_hand_offs(timeline.recorder.events)
     bare_us = statistics.median(per_round["bare"]) * 1e6
     target = 2 * bare_us + 30
     print(f"{comm.size} ranks, {args.rounds} rounds of {args.calls} calls; us per call: median over rounds "
@@ -88,6 +93,19 @@ def main():
         verdict = "" if name == "bare" else ("  met" if q3 <= target else "  MISSED" if q1 > target else
                                              "  spread too large to judge")
         print(f"  {name:<30}{median:>8.1f} ({q1:.1f}-{q3:.1f}){verdict}")
+
+
+def print_hand_offs(events):
+    """From the timeline's events: medians of each way's hand-off, worker and hand-back, in us."""
+    parts = {}
+    for worker, caller in zip(events, events[1:]):  # the worker records a call just before its caller
+        if worker[0] == "collective" and caller[0] == "blocked" and worker[2] == caller[2]:
+            _, _, what, started, ended = worker
+            parts.setdefault(what, []).append((started - caller[3], ended - started, caller[4] - ended))
+    print("From the timeline (us, medians): hand-off to the worker / collective on the worker / hand-back")
+    for what, calls in parts.items():
+        if what in ("worker", "worker, agreed", "in-step") or what.startswith("tnt."):
+            print(f"  {what:<30}" + " / ".join(f"{statistics.median(c[i] for c in calls) / 1e3:.1f}" for i in range(3)))
 
 
 if __name__ == "__main__":
