@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import WORKERS, assert_ok, launch, launcher_command
+from conftest import WORKERS, assert_ok, launch, launcher_command, run_python
 from tarantella import timeline
 
 RANKS = 3
@@ -156,3 +156,13 @@ def test_a_rank_that_computes_longer_is_named_as_a_slow_host():
     report = timeline.step_report(by_rank, [0, 0], ["fast", "busy"])
     assert "Straggler: rank 1 (host busy)" in report
     assert "a slow host: rank 1" in report
+
+
+def test_one_process_without_the_launcher_writes_a_trace_of_one_rank(tmp_path):
+    process = run_python(WORKERS / "timeline.py", "steady", tmp_path, env={"TNT_TIMELINE": str(tmp_path / "t.json")},
+                         timeout=300)
+    assert_ok(process)
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"]} == {0}
+    assert len(_slices(trace, 0, "training step")) == json.loads((tmp_path / "facts.json").read_text())["fit_steps"]
+    assert "tarantella timeline:" in process.stdout and "Straggler" not in process.stdout
