@@ -26,7 +26,6 @@ import itertools
 import json
 import os
 import statistics
-import sys
 import threading
 import time
 

@@ -65,7 +65,7 @@ def test_every_training_step_shows_its_buckets_metrics_and_input(steady_run):
         handovers = [e for e in trace["traceEvents"] if e["pid"] == rank and e["name"].startswith("hand-over")]
         assert len(handovers) == len(buckets)
         # Every worker collective is split into its wait for the latest rank (if any) and its transfer.
-        transfers = [e for e in _slices(trace, rank, "transfer")]
+        transfers = _slices(trace, rank, "transfer")
         assert len(transfers) == len([e for e in _slices(trace, rank) if "collective" in e["args"]])
 
 
