@@ -28,6 +28,7 @@ _FAILURE = re.compile(r"tarantella: the job failed \(exit status (\d+)\): (.*)")
 _REFUSAL = "tarantella: error: "
 _DEFAULT_FOLDER = "tarantella-backups"
 _PROBE_STOP_GRACE_S = 3.0
+_HOST_LISTS = "tarantella-hosts-"  # a folder in the backup folder: the hostfiles of attempts on fewer hosts
 
 
 def add_options(parser):
@@ -91,29 +92,31 @@ def main(argv, options):
             _remove_backups(directory, default=options.backup_dir is None)
             return 0
         if attempts.interrupted or refused:
-            return status
+            break
         if attempt == options.max_restarts:
             if options.max_restarts:
                 _say(f"tarantella: no restart left (--max-restarts {options.max_restarts}); the job failed "
                      f"(exit status {status}): {cause}")
-            return status
+            break
         _remove_partial_backups(directory)
         left_out = ""
         if hosts:
             reachable = attempts.answering(hosts)
             if attempts.interrupted:
-                return status
+                break
             if len(reachable) * per_node < options.min_ranks:
                 _say(f"tarantella: cannot restart: the hosts that answer ({', '.join(reachable) or 'none'}) hold "
                      f"{len(reachable) * per_node} ranks, fewer than --min-ranks {options.min_ranks}; the job "
                      f"failed (exit status {status}): {cause}")
-                return status
+                break
             missing = [host for host in hosts if host not in reachable]
             if missing:
                 left_out = (f" on {len(reachable) * per_node} ranks ({per_node} on each of {', '.join(reachable)}; "
                             f"left out, not answering: {', '.join(missing)})")
         _say(f"tarantella: restart {attempt + 1} of {options.max_restarts} after the job failed (exit status "
              f"{status}): {cause} Resuming from {_where(directory)}{left_out}.")
+    _remove_host_lists(directory)
+    _remove_empty_folders(directory, default=options.backup_dir is None)  # backups stay, for a later run
     return status
 
 
@@ -159,7 +162,7 @@ class _Attempts:
     def on_hosts(self, hosts, per_node, directory, attempt):
         """Arguments that run the next attempt on `hosts` only (later ones win in the command line)."""
         if self._scratch is None:
-            self._scratch = tempfile.mkdtemp(prefix="tarantella-hosts-", dir=directory)
+            self._scratch = tempfile.mkdtemp(prefix=_HOST_LISTS, dir=directory)
         hostfile = os.path.join(self._scratch, f"attempt-{attempt}")
         with open(hostfile, "w") as file:
             file.write("\n".join(hosts) + "\n")
@@ -251,26 +254,32 @@ def _remove_partial_backups(directory):
 def _remove_backups(directory, default):
     """After a good end: tarantella's own files only, then the folders if that left them empty."""
     for entry in os.listdir(directory):
-        path = os.path.join(directory, entry)
         if backup_files.is_ours(entry):
-            _remove_quietly(path)
-        elif entry.startswith("tarantella-hosts-") and os.path.isdir(path):
-            _remove_tree_of_ours(path)
+            _remove_quietly(os.path.join(directory, entry))
+    _remove_host_lists(directory)
+    _remove_empty_folders(directory, default)
+
+
+def _remove_host_lists(directory):
+    """The hostfiles of attempts on fewer hosts."""
+    for entry in os.listdir(directory):
+        folder = os.path.join(directory, entry)
+        if entry.startswith(_HOST_LISTS) and os.path.isdir(folder):
+            for name in os.listdir(folder):
+                if name.startswith("attempt-"):
+                    _remove_quietly(os.path.join(folder, name))
+            try:
+                os.rmdir(folder)
+            except OSError:
+                pass
+
+
+def _remove_empty_folders(directory, default):
     for folder in (directory, os.path.dirname(directory)) if default else (directory,):
         try:
             os.rmdir(folder)
-        except OSError:  # not empty: something of the user's is there
+        except OSError:  # not empty: a backup, or something of the user's
             pass
-
-
-def _remove_tree_of_ours(folder):
-    for entry in os.listdir(folder) if os.path.isdir(folder) else ():
-        if entry.startswith("attempt-"):
-            _remove_quietly(os.path.join(folder, entry))
-    try:
-        os.rmdir(folder)
-    except OSError:
-        pass
 
 
 def _remove_quietly(path):

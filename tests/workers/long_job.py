@@ -1,6 +1,6 @@
 """A small training job for the restart tests: `long_job.py OUT [--input KIND] [--fits N] ...`.
 
-It trains an MLP with Dropout (a random seed state to restore) and Adam on 200 samples in
+It trains an MLP (two hidden layers) with Dropout (a random seed state to restore) and Adam on 200 samples in
 batches of 32 (7 steps per epoch, the last one uneven) and saves the master's final weights
 and history to OUT/weights.npz. The input is one of: `arrays` (shuffle=True), `dataset` (a
 reshuffling tf.data shuffle), `pydataset` (a shuffled keras.utils.PyDataset), `files`
@@ -9,7 +9,8 @@ after the other (each its own `fit` call).
 
 Faults come from the environment, so the same command fails on one attempt only:
 FAULT="attempt=0,rank=1,fit=1,epoch=1,step=3,how=raise" makes rank 1 of attempt 0 fail
-before step 3 (0-based) of epoch 1 (0-based) of the first fit call; `how` is raise, kill
+before step 3 (0-based) of epoch 1 (0-based) of the first fit call (several faults: separated
+by ";"); `how` is raise, kill
 (SIGKILL to itself), exit (os._exit(0), a rank that vanishes) or startup (raise before
 `import tarantella`, with no epoch or step). STEP_SLEEP=s sleeps s seconds after every step
 (to give an outside killer time). Rank 0 prints `fit K trained N steps` for every fit call.
@@ -27,12 +28,14 @@ SAMPLES, FEATURES, CLASSES, BATCH = 200, 8, 3, 32
 
 
 def fault():
-    spec = dict(item.split("=") for item in os.environ.get("FAULT", "").split(",") if item)
-    attempt = int(os.environ.get("TNT_RESTART_ATTEMPT", "0"))
+    """This rank's planned failure in this attempt, or None."""
+    attempt = os.environ.get("TNT_RESTART_ATTEMPT", "0")
     rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
-    if not spec or int(spec["attempt"]) != attempt or spec["rank"] != rank:
-        return None
-    return spec
+    for planned in filter(None, os.environ.get("FAULT", "").split(";")):
+        spec = dict(item.split("=") for item in planned.split(","))
+        if spec["attempt"] == attempt and spec["rank"] == rank:
+            return spec
+    return None
 
 
 def fail(how):
@@ -104,7 +107,9 @@ def main():
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--files", default=None)
     parser.add_argument("--make-files", action="store_true")
-    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--width", type=int, default=32, help="units of each of the two hidden layers")
+    parser.add_argument("--no-dropout", dest="dropout", action="store_false",
+                        help="no Dropout: its masks depend on the number of ranks")
     options = parser.parse_args()
     if options.make_files:
         make_files(options.out)
@@ -142,7 +147,9 @@ def main():
         keras.utils.set_random_seed(fit_number)
         model = tnt.Model(keras.Sequential([
             keras.Input((FEATURES,)), keras.layers.Dense(options.width, activation="relu"),
-            keras.layers.Dropout(0.2, seed=11), keras.layers.Dense(CLASSES, activation="softmax")]))
+            keras.layers.Dense(options.width, activation="relu"),
+            *([keras.layers.Dropout(0.2, seed=11)] if options.dropout else []),
+            keras.layers.Dense(CLASSES, activation="softmax")]))
         model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"])
         faults = Faults(fit_number)
         history = model.fit(**fit_input(options.input, options.files), epochs=options.epochs, verbose=0,
