@@ -343,3 +343,67 @@ def run_and_kill(out, options, choose_victim, worker=(), env=None, on_line=None)
             os.killpg(launcher.pid, signal.SIGKILL)
     threads[0].join(timeout=10)
     return subprocess.CompletedProcess(command, launcher.returncode, stdout, "".join(stderr_lines)), bool(killed)
+
+
+# -- fewer ranks: a host lost between attempts ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def namespace_hosts(tmp_path_factory):
+    if os.environ.get("TNT_RESTART_TESTS") != "1":
+        pytest.skip("set TNT_RESTART_TESTS=1 to run every restart test")
+    import test_multihost_netns
+    hosts = test_multihost_netns.hosts.__wrapped__(tmp_path_factory)  # the multi-host test's namespaces
+    try:
+        yield dict(next(hosts), namespace=test_multihost_netns._namespace)
+    finally:
+        hosts.close()
+
+
+def test_a_host_lost_between_attempts_is_left_out_and_the_job_ends_with_the_uninterrupted_weights(
+        namespace_hosts, tmp_path, tmp_path_factory):
+    # Three hosts with a rank each; the third host's rank is killed and the host removed. The
+    # job goes on with two ranks and the same global batch.
+    expected = uninterrupted(tmp_path_factory, 3, "--no-dropout")
+    lost = namespace_hosts["namespace"](3)
+
+    def remove_the_host(line):
+        if line.startswith("long_job: failing now"):
+            pids = subprocess.run(["ip", "netns", "pids", lost], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            subprocess.run(["ip", "netns", "del", lost], capture_output=True)
+
+    command = launcher_command() + ["--hostfile", str(namespace_hosts["hostfile"]), "--no-gpu", "--max-restarts", "1",
+                                    "--min-ranks", "2", "--backup-every-steps", "2", "--", str(JOB), str(tmp_path),
+                                    "--no-dropout"]
+    launcher = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, env=quiet_env(
+                                    **namespace_hosts["env"], FAULT="attempt=0,rank=2,fit=1,epoch=1,step=3,how=kill"))
+    stderr_lines = []
+
+    def read_stderr():
+        for line in launcher.stderr:
+            stderr_lines.append(line)
+            remove_the_host(line)
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        stdout = launcher.stdout.read()
+        launcher.wait(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    reader.join(timeout=10)
+    process = subprocess.CompletedProcess(command, launcher.returncode, stdout, "".join(stderr_lines))
+    assert process.returncode == 0, report(process)
+    lines = restart_lines(process.stderr)
+    assert len(lines) == 1 and lines[0] is not None, report(process)
+    addresses = namespace_hosts["hostfile"].read_text().split()
+    assert lines[0].group(5).startswith("fit #1 at epoch 2, step 2 "), lines[0].group(0)
+    assert lines[0].group(5).endswith(f" on 2 ranks (1 on each of {addresses[0]}, {addresses[1]}; left out, not "
+                                      f"answering: {addresses[2]})"), lines[0].group(0)
+    assert_same_results(load_npz(tmp_path / "weights.npz"), expected, exact=False)
