@@ -79,6 +79,7 @@ class AutomaticBackups(keras.callbacks.Callback):
     def _backup(self, epoch, step, completed=False):
         if self._comm.rank != communication.MASTER_RANK:
             return
+        started = time.monotonic()
         training, metrics = self._variables()
         arrays = [np.asarray(v.numpy(), order="C") for v in training + metrics]
         header = {"fit": self._fit_number, "epoch": epoch, "step": step, "completed": completed,
@@ -92,6 +93,8 @@ class AutomaticBackups(keras.callbacks.Callback):
                           "--backup-dir a folder with room that every rank can read (a shared file system).") \
                 from None
         self._steps_since_backup = 0
+        logger.debug("backup of fit #%d at epoch %d, step %d: %.1f MB in %.3f s", self._fit_number, epoch + 1, step,
+                     sum(a.nbytes for a in arrays) / 1e6, time.monotonic() - started)
 
     def _restore(self):
         """Every rank reads the backup; returns its header, or None without one."""
