@@ -193,15 +193,19 @@ class _Attempts:
 
 
 def _pass_on(stream, last):
-    """Copies the attempt's standard error to ours, keeping its last line of the command's own."""
-    for line in stream:
+    """Copies the attempt's standard error to ours as it comes (a line without its end too),
+    keeping the last of the command's own lines."""
+    pending = b""
+    while chunk := os.read(stream.fileno(), 1 << 16):
         try:
-            os.write(2, line)
-        except OSError:  # closed: the attempt's lines are still read, or it would block
+            os.write(2, chunk)
+        except OSError:  # closed: the attempt's output is still read, or it would block
             pass
-        text = line.decode(errors="replace").rstrip("\n")
-        if text.startswith("tarantella: ") and not text.startswith("tarantella: WARNING"):
-            last[0] = text
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            text = line.decode(errors="replace")
+            if text.startswith("tarantella: ") and not text.startswith("tarantella: WARNING"):
+                last[0] = text
 
 
 def _where(directory):
