@@ -136,6 +136,17 @@ def test_a_refused_command_line_is_not_restarted(tmp_path):
     assert process.returncode == 2 and "--backup-dir only goes with --max-restarts" in process.stderr, report(process)
 
 
+def test_inside_slurm_each_attempt_gets_the_allocation_and_a_backup_folder_named_by_the_job(tmp_path):
+    process = tarantella("--max-restarts", 2, "--backup-every-steps", 50, "--dry-run", "--", "train.py", cwd=tmp_path,
+                         env={"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NTASKS_PER_NODE": "2"},
+                         timeout=60)
+    assert process.returncode == 0, report(process)
+    assert " -hosts node1:2,node2:2 -n 4 " in process.stdout, process.stdout
+    assert f"  TNT_BACKUP_DIR={tmp_path}/tarantella-backups/train-slurm42\n" in process.stdout, process.stdout
+    assert "  TNT_BACKUP_EVERY_STEPS=50\n" in process.stdout and "  TNT_RESTART_ATTEMPT=0\n" in process.stdout
+    assert os.listdir(tmp_path) == [], "a dry run creates no folder"
+
+
 # -- the fast slice: one training job ---------------------------------------------------------------
 
 def test_a_rank_killed_mid_epoch_resumes_and_ends_with_the_uninterrupted_weights(tmp_path, tmp_path_factory):

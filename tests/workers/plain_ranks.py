@@ -47,7 +47,7 @@ def fail_on_attempts(attempts):
     """Rank 1 raises on the listed restart attempts (e.g. "0,1"), fails before MPI starts on those
     listed with a "startup" prefix ("startup1"), and otherwise both ranks finish."""
     attempt = os.environ.get("TNT_RESTART_ATTEMPT", "0")
-    rank = os.environ.get("PMI_RANK")
+    rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
     if rank == "1" and f"startup{attempt}" in attempts.split(","):
         open("/nonexistent/tarantella-test-data.npz")
     from mpi4py import MPI
