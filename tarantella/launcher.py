@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tarantella import __version__, config
+from tarantella import __version__, config, restarts
 from tarantella.rank_entry import FAILED, FINISHED, RANK_ANNOUNCEMENT, STARTED
 
 USAGE = "tarantella [options] -- program.py [program arguments ...]"
@@ -75,6 +75,8 @@ def main(argv=None):
     if argv[:1] == [_STOP_HERE]:
         return _stop_processes_here(argv[1], argv[2])
     options, program = _parse(argv)
+    if restarts.supervises(options):
+        return restarts.main(argv, options)
     try:
         try:
             setting_warnings = config.check_environment()
@@ -164,6 +166,7 @@ def _parse(argv):
     parser.add_argument("--dry-run", action="store_true",
                         help="print the command and environment that would run, and exit")
     parser.add_argument("--version", action="version", version=f"tarantella {__version__}")
+    restarts.add_options(parser)
     options, unknown = parser.parse_known_args(own)
     if unknown:
         if "--" not in argv and not unknown[0].startswith("-"):
@@ -177,6 +180,7 @@ def _parse(argv):
         parser.error("--force only goes with --cleanup, e.g. tarantella --cleanup --force -- train.py")
     if not program:
         parser.error("name the program after '--', e.g. tarantella -n 2 -- train.py")
+    restarts.check_options(parser, options)
     return options, program
 
 
