@@ -399,8 +399,7 @@ def build_command(options, program, placement, mpiexec, flavour):
     environment = list(environment.items())
 
     if flavour == "hydra":
-        command = list(mpiexec) + (["-hosts", _hosts_with_slots(placement)] if placement.hosts else [])
-        command += ["-n", str(placement.ranks)]
+        command = list(mpiexec) + _hydra_hosts(placement) + ["-n", str(placement.ranks)]
         for name, value in environment:
             command += ["-genv", name, value]
     elif flavour == "openmpi":
@@ -447,6 +446,14 @@ def _open_mpi_oversubscription(mpiexec):
     if match and int(match.group(1)) >= 5:
         return ["--map-by", ":OVERSUBSCRIBE"]
     return ["--oversubscribe"]
+
+
+def _hydra_hosts(placement):
+    """Intel MPI's Hydra ignores the slots in `-hosts` and fills the first host up to its cores
+    before the next; `-ppn` (MPICH's Hydra knows it too) spreads the ranks evenly."""
+    if not placement.hosts:
+        return []
+    return ["-hosts", _hosts_with_slots(placement), "-ppn", str(placement.ranks_per_node)]
 
 
 def _hosts_with_slots(placement):
@@ -837,7 +844,7 @@ def _cleanup(options, program, hosts):
     flavour = _mpi_flavour(mpiexec)
     per_host = Placement(hosts, ranks_per_node=1, use_gpu=False, warnings=[])
     if flavour == "hydra":
-        command = list(mpiexec) + ["-hosts", _hosts_with_slots(per_host), "-n", str(len(hosts))]
+        command = list(mpiexec) + _hydra_hosts(per_host) + ["-n", str(len(hosts))]
     elif flavour == "openmpi":
         command = list(mpiexec) + ["--host", _hosts_with_slots(per_host), "-n", str(len(hosts))]
     elif flavour == "srun":
