@@ -88,6 +88,7 @@ def main(argv=None):
         placement = place_ranks(options, hosts, count_gpus())
         command, environment = build_command(options, program, placement, mpiexec, flavour)
         _check_program(options, program)
+        _check_interpreter_here(options, placement.hosts)
     except LaunchError as error:
         _say(f"tarantella: error: {error}")
         return 2
@@ -184,6 +185,17 @@ def _check_program(options, program):
     if runs_python_file and not options.dry_run and not os.path.isfile(program[0]):
         raise LaunchError(f"the program {program[0]!r} does not exist (in {os.getcwd()}). Name the script to "
                           "run after '--', e.g. tarantella -n 2 -- train.py.")
+
+
+def _check_interpreter_here(options, hosts):
+    """A --python-interpreter that cannot run on this node, where every rank runs, is reported here:
+    Intel MPI's mpiexec often dies of SIGPIPE (status 141) before it passes on its proxy's error."""
+    if hosts or not options.python_interpreter or options.dry_run:
+        return
+    interpreter = shlex.split(options.python_interpreter)[0]
+    if not shutil.which(interpreter):
+        raise LaunchError(f"the interpreter {interpreter!r} (--python-interpreter) is not an executable program "
+                          "(nor on PATH). Name one that exists on every host at the same path.")
 
 
 def _positive_int(text):
@@ -679,7 +691,9 @@ def _mpich_endings(text):
 # What Hydra's refusals (MPICH's and Intel MPI's) mean: (a pattern of its message, the cause, the fix).
 _HYDRA_REFUSALS = [
     (r"execvp error on file (\S+) \(([^)]*)\)", r"it could not run \1 (\2)", _SAME_PATH_FIX),
-    (r"ssh: ([^\n]*)\n(?:.*\n)*?.*Launch proxy failed", r"ssh could not start its proxy on a host (\1)", _SSH_FIX),
+    # ssh ends its lines with \r\n
+    (r"ssh: ([^\r\n]*)\r?\n(?:.*\n)*?.*Launch proxy failed", r"ssh could not start its proxy on a host (\1)",
+     _SSH_FIX),
     (r"Unable to run bstrap_proxy on (\S+)", r"ssh could not start its proxy on \1", _SSH_FIX),  # Intel MPI
 ]
 

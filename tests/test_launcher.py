@@ -142,6 +142,11 @@ def test_a_missing_script_or_launcher_is_reported_once_before_any_rank_starts(tm
     assert process.stderr == ("tarantella: error: TNT_MPIEXEC='/nowhere/mpiexec -v' names '/nowhere/mpiexec', "
                               "which is not an executable program (nor on PATH). Fix TNT_MPIEXEC, or unset it to "
                               "use mpiexec.\n")
+    process = run_launcher("-n", "2", "--python-interpreter", "/nowhere/python -u", "--", str(script))
+    assert process.returncode == 2
+    assert process.stderr == ("tarantella: error: the interpreter '/nowhere/python' (--python-interpreter) is not an "
+                              "executable program (nor on PATH). Name one that exists on every host at the same "
+                              "path.\n")
 
 
 def test_only_tensorflows_own_tf_variables_are_forwarded():

@@ -1,7 +1,8 @@
 """The MPIs the cluster tests run, each in a venv of its own (mpi4py takes the first MPI library
-it finds, so two MPI wheels cannot share one): MPICH in the suite's own venv, Open MPI and Intel
-MPI from PyPI in REPO/.venv-<mpi>-tests, made once and then reused. And a throwaway unprivileged
-user, for runs that must not be root.
+it finds, so two MPI wheels cannot share one): MPICH in the suite's own venv, Open MPI 5 and Intel
+MPI from PyPI and Open MPI 4.1 from Debian's packages (unpacked into the venv, not installed) in
+REPO/.venv-<mpi>-tests, made once and then reused. And a throwaway unprivileged user, for runs
+that must not be root.
 """
 
 import dataclasses
@@ -25,34 +26,70 @@ ALL_TESTS = bool(os.environ.get("TNT_CLUSTER_TESTS"))
 class Mpi:
     name: str  # as the launcher's messages call it
     venv: pathlib.Path
-    launcher: str  # the MPI's own launcher in the venv's bin
+    launcher: str  # the MPI's own launcher, relative to the venv
     banner: str  # what `launcher --version` says
-    pip_extra: str  # what the venv installs besides this checkout with [cpu]
+    pip_extra: str = ""  # what the venv installs besides this checkout with [cpu]
+    debian_packages: tuple = ()  # unpacked into the venv's debian/ (not installed on the system)
 
     def bin(self, program):
         return self.venv / "bin" / program
 
+    @property
+    def launcher_path(self):
+        return self.venv / self.launcher
+
+    @property
+    def launcher_name(self):
+        return "mpirun" if "mpirun" in self.launcher else "mpiexec"
+
+    def env(self):
+        """What a user sets to use this MPI: nothing for a wheel's; for the unpacked Debian
+        packages, where they are and which mpirun the command runs."""
+        if not self.debian_packages:
+            return {}
+        root = self.venv / "debian"
+        libraries = ["usr/lib/x86_64-linux-gnu/openmpi/lib", "usr/lib/x86_64-linux-gnu", "lib/x86_64-linux-gnu",
+                     "usr/lib/libpsm1"]
+        return {"OPAL_PREFIX": str(root / "usr"), "TNT_MPIEXEC": str(self.launcher_path),
+                "LD_LIBRARY_PATH": ":".join(str(root / folder) for folder in libraries)}
+
     def ready(self):
-        if not self.bin("tarantella").exists():
+        if not self.bin("tarantella").exists() or not self.launcher_path.exists():
             return False
-        banner = subprocess.run([str(self.bin(self.launcher)), "--version"], capture_output=True, text=True)
+        banner = subprocess.run([str(self.launcher_path), "--version"], capture_output=True, text=True,
+                                env=dict(os.environ, **self.env()))
         return self.banner in banner.stdout
 
 
 MPIS = {
-    "mpich": Mpi("MPICH", pathlib.Path(sys.executable).parent.parent, "mpiexec", "HYDRA", ""),
-    "openmpi": Mpi("Open MPI", REPO / ".venv-openmpi-tests", "mpirun", "(Open MPI) 5.", "openmpi"),
-    "impi": Mpi("Intel MPI", REPO / ".venv-impi-tests", "mpiexec", "Intel(R) MPI", "impi-rt"),
+    "mpich": Mpi("MPICH", pathlib.Path(sys.executable).parent.parent, "bin/mpiexec", "HYDRA"),
+    "openmpi": Mpi("Open MPI", REPO / ".venv-openmpi-tests", "bin/mpirun", "(Open MPI) 5.", "openmpi"),
+    "impi": Mpi("Intel MPI", REPO / ".venv-impi-tests", "bin/mpiexec", "Intel(R) MPI", "impi-rt"),
+    # Debian 12's Open MPI 4.1 and what it needs beyond a base system with Python.
+    "openmpi4": Mpi("Open MPI", REPO / ".venv-openmpi4-tests", "debian/usr/bin/mpirun.openmpi", "(OpenRTE) 4.",
+                    debian_packages=("openmpi-bin", "openmpi-common", "libopenmpi3", "libfabric1", "libucx0",
+                                     "libpsm2-2", "libpsm-infinipath1", "libibverbs1", "ibverbs-providers",
+                                     "librdmacm1", "libnl-3-200", "libnl-route-3-200", "libhwloc15",
+                                     "libevent-core-2.1-7", "libevent-pthreads-2.1-7", "libpmix2")),
 }
 
 
 def _make_venv(mpi):
     started = time.monotonic()
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(mpi.venv)], check=True)
-    install = subprocess.run([str(mpi.bin("pip")), "install", "-q", "-e", f"{REPO}[cpu]", mpi.pip_extra],
-                             capture_output=True, text=True)
-    if install.returncode != 0 or not mpi.ready():
-        message = f"cannot install {mpi.pip_extra} into {mpi.venv}:\n{install.stderr[-3000:]}"
+    steps = [[str(mpi.bin("pip")), "install", "-q", "-e", f"{REPO}[cpu]", *filter(None, [mpi.pip_extra])]]
+    if mpi.debian_packages:
+        packages = mpi.venv / "debian-packages"
+        packages.mkdir()
+        steps.append(["sh", "-c", f'cd "{packages}" && apt-get download "$@" && for package in *.deb; do '
+                                  f'dpkg -x "$package" "{mpi.venv / "debian"}" || exit 1; done', "-",
+                      *mpi.debian_packages])
+    for step in steps:
+        done = subprocess.run(step, capture_output=True, text=True)
+        if done.returncode != 0:
+            break
+    if done.returncode != 0 or not mpi.ready():
+        message = f"cannot make {mpi.venv} with {mpi.name}:\n{done.stderr[-3000:]}"
         if ALL_TESTS:
             pytest.fail(message)
         pytest.skip(message)
@@ -65,8 +102,10 @@ def mpi_venvs():
     def venv_of(key):
         mpi = MPIS[key]
         if not mpi.ready():
-            if not mpi.pip_extra:
+            if not mpi.pip_extra and not mpi.debian_packages:
                 pytest.skip(f"the suite's venv has no {mpi.name} (pip install -e '.[cpu,mpich,test]')")
+            if mpi.debian_packages and not (shutil.which("apt-get") and shutil.which("dpkg")):
+                pytest.skip(f"{mpi.name} comes from Debian's packages here, and apt-get or dpkg is missing")
             _make_venv(mpi)
         return mpi
     return venv_of

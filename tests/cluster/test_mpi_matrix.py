@@ -10,6 +10,7 @@ on 2 ranks, as root where the suite runs as root. All of them (docs/running.md h
 
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -50,9 +51,9 @@ def mpi_env(**extra):
     return env
 
 
-def run(command, timeout=300, user=None, **extra_env):
+def run(command, mpi, timeout=300, user=None, **extra_env):
     command = [str(part) for part in command]
-    env = mpi_env(**extra_env)
+    env = mpi_env(**{**mpi.env(), **extra_env})
     if user:
         command = user.command(command)
         env.update(HOME=user.home, USER=user.name, LOGNAME=user.name)
@@ -66,7 +67,8 @@ def last_line(text):
 @pytest.fixture(scope="module")
 def serial_weights(tmp_path_factory):
     out = tmp_path_factory.mktemp("serial")
-    assert_ok(run([sys.executable, TRAIN, "--mode", "serial", "--out", out, "--cases", CASE]))
+    assert_ok(subprocess.run([sys.executable, str(TRAIN), "--mode", "serial", "--out", str(out), "--cases", CASE],
+                             capture_output=True, text=True, timeout=300, env=quiet_env()))
     return load_npz(out / f"{CASE}.rank0.npz")
 
 
@@ -89,7 +91,7 @@ def test_the_quick_start_trains_like_serial_keras(mpi_venvs, unprivileged_user, 
     user = unprivileged_user if who == "user" else None
     out = user.folder() if user else tmp_path
     process = run([mpi.bin("tarantella"), "-n", ranks, "--no-gpu", "--", TRAIN, "--mode", "tnt", "--out", out,
-                   "--cases", CASE], user=user)
+                   "--cases", CASE], mpi, user=user)
     assert_ok(process)
     assert_ranks_trained_like_serial(out, ranks, serial_weights)
     if user:
@@ -113,7 +115,7 @@ def test_a_failing_rank_ends_the_job_within_seconds_naming_rank_and_host(mpi_ven
     mpi = mpi_venvs(key)
     how, statuses = FAILURES[scenario]
     process = run([mpi.bin("tarantella"), "-n", "2", "--no-gpu", "-x", "TNT_COLLECTIVE_TIMEOUT=4", "--", SCENARIOS,
-                   scenario], timeout=120)
+                   scenario], mpi, timeout=120)
     ended = time.time()
     failed_at = float(re.search(r"rank 1: failing at ([\d.]+)", process.stderr).group(1))
     assert process.returncode in statuses, process.stderr
@@ -134,7 +136,12 @@ def two_hosts(tmp_path_factory):
 def remote_start(key, mpi, ssh):
     """What makes each MPI's launcher reach the hosts through the ssh stand-in: its own settings."""
     if key == "openmpi":
-        return {"TNT_MPIEXEC": f"{mpi.bin('mpirun')} --prtemca plm_ssh_agent {ssh}"}
+        return {"TNT_MPIEXEC": f"{mpi.launcher_path} --prtemca plm_ssh_agent {ssh}"}
+    if key == "openmpi4":
+        # ssh starts orted with a clean environment: it learns where the unpacked packages are from its command.
+        settings = " ".join(f"{name}={value}" for name, value in mpi.env().items() if name != "TNT_MPIEXEC")
+        agent = shlex.quote(f"env {settings} {mpi.venv / 'debian/usr/bin/orted'}")
+        return {"TNT_MPIEXEC": f"{mpi.launcher_path} --mca plm_rsh_agent {ssh} --mca orte_launch_agent {agent}"}
     if key == "impi":
         return {"I_MPI_HYDRA_BOOTSTRAP": "ssh", "I_MPI_HYDRA_BOOTSTRAP_EXEC": str(ssh)}
     return {"HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": str(ssh)}
@@ -148,7 +155,7 @@ def test_variables_and_a_hostfile_of_two_hosts_reach_every_rank(mpi_venvs, two_h
     # The ssh stand-in starts the remote side with a clean environment: these arrive through MPI.
     process = run([mpi.bin("tarantella"), "--hostfile", two_hosts.hostfile, "--no-gpu", "-x",
                    "GREETING=from the launcher", "--", WORKERS / "multihost.py", tmp_path, CASE],
-                  PYTHONPATH="/nonexistent/forwarded-by-name", **remote_start(key, mpi, two_hosts.ssh))
+                  mpi, PYTHONPATH="/nonexistent/forwarded-by-name", **remote_start(key, mpi, two_hosts.ssh))
     assert_ok(process)
     namespaces = set()
     for rank in range(2):
@@ -198,7 +205,7 @@ def test_a_signal_to_the_command_stops_every_rank_and_leaves_no_process(mpi_venv
     marker = f"marker-{uuid.uuid4().hex}"
     launcher = subprocess.Popen([str(mpi.bin("tarantella")), "-n", "2", "--no-gpu", "--", str(PLAIN), "run-forever",
                                  marker], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                env=mpi_env(), start_new_session=True)
+                                env=mpi_env(**mpi.env()), start_new_session=True)
     started = set()
     try:
         running = 0
@@ -228,14 +235,16 @@ def test_a_signal_to_the_command_stops_every_rank_and_leaves_no_process(mpi_venv
 
 @only_with_cluster_tests
 @pytest.mark.parametrize("key", MPIS)
-def test_when_the_mpi_cannot_start_the_ranks_the_last_line_names_it_the_cause_and_the_fix(mpi_venvs, key):
+def test_when_the_mpi_cannot_reach_a_host_the_last_line_names_it_the_cause_and_the_fix(mpi_venvs, tmp_path, key):
     mpi = mpi_venvs(key)
-    process = run([mpi.bin("tarantella"), "-n", "2", "--no-gpu", "--python-interpreter", "/nonexistent/python", "--",
-                   PLAIN, "chatter"], timeout=60)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("no-such-host-1.invalid\nno-such-host-2.invalid\n")  # real ssh cannot resolve them
+    process = run([mpi.bin("tarantella"), "--hostfile", hostfile, "--no-gpu", "--", PLAIN, "chatter"], mpi,
+                  timeout=120)
     assert process.returncode != 0
-    assert re.fullmatch(rf"tarantella: {mpi.name}'s {mpi.launcher} (could not start|refused to start) the job: .*"
-                        r"(/nonexistent/python|could not access an executable).*\. Fix: check that the program and "
-                        r"the Python interpreter exist on every host at the same path\.", last_line(process.stderr)), \
+    assert re.fullmatch(rf"tarantella: {mpi.name}'s {mpi.launcher_name} (could not start|refused to start) the job: "
+                        r".+\. Fix: check that `ssh HOST true` works for every host without a password, and "
+                        r"that the MPI is installed at the same path there\.", last_line(process.stderr)), \
         process.stderr
 
 
@@ -244,8 +253,8 @@ def test_when_the_mpi_cannot_start_the_ranks_the_last_line_names_it_the_cause_an
 def test_the_mpis_own_launcher_runs_the_ranks_without_the_command(mpi_venvs, serial_weights, tmp_path, key):
     mpi = mpi_venvs(key)
     # Open MPI's own switch, as a user running plain mpirun as root would give it.
-    as_root = ["--allow-run-as-root"] if key == "openmpi" and os.geteuid() == 0 else []
-    process = run([mpi.bin(mpi.launcher), *as_root, "-n", "2", mpi.bin("python"), TRAIN, "--mode", "tnt", "--out",
-                   tmp_path, "--cases", CASE])
+    as_root = ["--allow-run-as-root"] if key.startswith("openmpi") and os.geteuid() == 0 else []
+    process = run([mpi.launcher_path, *as_root, "-n", "2", mpi.bin("python"), TRAIN, "--mode", "tnt", "--out",
+                   tmp_path, "--cases", CASE], mpi)
     assert_ok(process)
     assert_ranks_trained_like_serial(tmp_path, 2, serial_weights)
