@@ -18,6 +18,8 @@ import time
 
 import pytest
 
+from conftest import quiet_env
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 ALL_TESTS = bool(os.environ.get("TNT_CLUSTER_TESTS"))
 
@@ -72,6 +74,17 @@ MPIS = {
                                      "librdmacm1", "libnl-3-200", "libnl-route-3-200", "libhwloc15",
                                      "libevent-core-2.1-7", "libevent-pthreads-2.1-7", "libpmix2")),
 }
+
+
+def mpi_env(**extra):
+    """The test's environment (quiet), with nothing that would pick another MPI or configure this
+    one, except what `extra` sets."""
+    env = quiet_env(**extra)
+    chosen_elsewhere = ("OMPI_", "PRTE_", "PMIX_", "I_MPI_", "HYDRA_", "TNT_MPIEXEC", "MPI4PY_LIBMPI")
+    for name in list(env):
+        if name.startswith(chosen_elsewhere) and name not in extra:
+            del env[name]
+    return env
 
 
 def _make_venv(mpi):

@@ -24,7 +24,7 @@ import pytest
 from conftest import WORKERS, assert_ok, load_npz, quiet_env
 from netns_hosts import namespace_hosts, network_namespace_of
 
-from .conftest import ALL_TESTS, MPIS
+from .conftest import ALL_TESTS, MPIS, mpi_env
 
 TRAIN = WORKERS / "train_cases.py"
 SCENARIOS = WORKERS / "scenarios.py"
@@ -39,16 +39,6 @@ def everywhere_but(*default_cases):
         return [pytest.param(*case, marks=() if case in default_cases else only_with_cluster_tests,
                              id="-".join(map(str, case))) for case in rest]
     return cases
-
-
-def mpi_env(**extra):
-    """The test's environment, with nothing that would pick another MPI or configure this one."""
-    env = quiet_env(**extra)
-    for name in list(env):
-        if name.startswith(("OMPI_", "PRTE_", "PMIX_", "I_MPI_", "HYDRA_")) or name in ("TNT_MPIEXEC", "MPI4PY_LIBMPI"):
-            if name not in extra:
-                del env[name]
-    return env
 
 
 def run(command, mpi, timeout=300, user=None, **extra_env):
