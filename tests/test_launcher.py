@@ -233,7 +233,7 @@ def test_an_allocation_with_different_tasks_per_node_is_refused_unless_n_says_ho
     assert ("tarantella: error: the Slurm allocation has different numbers of tasks per node "
             "(SLURM_TASKS_PER_NODE=2,1), and tarantella runs as many ranks on every node. Ask Slurm for the "
             "same number on each (--ntasks-per-node), or give -n or --n-per-node.") in refused("--", "t.py", env=uneven)
-    assert " -hosts n1:1,n2:1 -n 2 " in command_of(dry_run("-n", "2", "--", "t.py", env=uneven))
+    assert " -hosts n1:1,n2:1 -ppn 1 -n 2 " in command_of(dry_run("-n", "2", "--", "t.py", env=uneven))
 
 
 # -- devices -------------------------------------------------------------------------------------
