@@ -90,6 +90,7 @@ def main(argv=None):
         placement = place_ranks(options, hosts, count_gpus())
         command, environment = build_command(options, program, placement, mpiexec, flavour)
         _check_program(options, program)
+        _check_interpreter_here(options, placement.hosts)
     except LaunchError as error:
         _say(f"tarantella: error: {error}")
         return 2
@@ -110,7 +111,8 @@ def main(argv=None):
         print(f"ranks: {placement.ranks} ({placement.ranks_per_node} per node on {where}, {device})")
         return 0
     ranks_announcing = placement.ranks if _RANK_ENTRY in command else 0
-    return _run(command, environment, ranks_announcing, placement.hosts, config.start_timeout_s(), flavour)
+    return _run(command, environment, ranks_announcing, placement.hosts, config.start_timeout_s(), flavour,
+                _mpi_name(mpiexec))
 
 
 # -- the command line ------------------------------------------------------------------------
@@ -190,6 +192,17 @@ def _check_program(options, program):
     if runs_python_file and not options.dry_run and not os.path.isfile(program[0]):
         raise LaunchError(f"the program {program[0]!r} does not exist (in {os.getcwd()}). Name the script to "
                           "run after '--', e.g. tarantella -n 2 -- train.py.")
+
+
+def _check_interpreter_here(options, hosts):
+    """A --python-interpreter that cannot run on this node, where every rank runs, is reported here:
+    Intel MPI's mpiexec often dies of SIGPIPE (status 141) before it passes on its proxy's error."""
+    if hosts or not options.python_interpreter or options.dry_run:
+        return
+    interpreter = shlex.split(options.python_interpreter)[0]
+    if not shutil.which(interpreter):
+        raise LaunchError(f"the interpreter {interpreter!r} (--python-interpreter) is not an executable program "
+                          "(nor on PATH). Name one that exists on every host at the same path.")
 
 
 def _positive_int(text):
@@ -407,8 +420,7 @@ def build_command(options, program, placement, mpiexec, flavour):
     environment = list(environment.items())
 
     if flavour == "hydra":
-        command = list(mpiexec) + (["-hosts", _hosts_with_slots(placement)] if placement.hosts else [])
-        command += ["-n", str(placement.ranks)]
+        command = list(mpiexec) + _hydra_hosts(placement) + ["-n", str(placement.ranks)]
         for name, value in environment:
             command += ["-genv", name, value]
     elif flavour == "openmpi":
@@ -455,6 +467,14 @@ def _open_mpi_oversubscription(mpiexec):
     if match and int(match.group(1)) >= 5:
         return ["--map-by", ":OVERSUBSCRIBE"]
     return ["--oversubscribe"]
+
+
+def _hydra_hosts(placement):
+    """Intel MPI's Hydra ignores the slots in `-hosts` and fills the first host up to its cores
+    before the next; `-ppn` (MPICH's Hydra knows it too) spreads the ranks evenly."""
+    if not placement.hosts:
+        return []
+    return ["-hosts", _hosts_with_slots(placement), "-ppn", str(placement.ranks_per_node)]
 
 
 def _hosts_with_slots(placement):
@@ -530,7 +550,7 @@ def _mpi_flavour(mpiexec):
 
 # -- running and failures ----------------------------------------------------------------------
 
-def _run(command, environment, ranks, hosts, start_timeout_s, flavour="unknown"):
+def _run(command, environment, ranks, hosts, start_timeout_s, flavour="unknown", mpi_name="the MPI"):
     """Runs the MPI launcher; `ranks` is how many ranks announce their start (0: none do)."""
     env = dict(os.environ)
     env.update(environment)
@@ -548,7 +568,8 @@ def _run(command, environment, ranks, hosts, start_timeout_s, flavour="unknown")
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, forward)
-    monitor = _OutputMonitor(hosts, quiet_tensorflow=not config.tensorflow_startup_logs(), flavour=flavour)
+    monitor = _OutputMonitor(hosts, quiet_tensorflow=not config.tensorflow_startup_logs(), flavour=flavour,
+                             mpi_name=mpi_name)
     pumps = [threading.Thread(target=monitor.pass_on_stdout, args=(child.stdout,), daemon=True),
              threading.Thread(target=monitor.pass_on_stderr, args=(child.stderr,), daemon=True)]
     for pump in pumps:
@@ -636,6 +657,88 @@ def _say(line):
         pass
 
 
+# -- what each MPI's launcher says when a rank ends badly or the job cannot start -----------------
+
+@dataclass
+class _Ending:
+    """A rank that ended badly, as the MPI launcher reports it."""
+    rank: object  # None where the MPI names only the process id
+    host: str  # "" where the MPI does not name it
+    pid: str  # "" likewise
+    how: object  # e.g. "Killed (signal 9)"; None: it ended with status 0 without finalizing MPI
+
+
+_SAME_PATH_FIX = "check that the program and the Python interpreter exist on every host at the same path."
+_SSH_FIX = "check that `ssh HOST true` works for every host without a password, and that the MPI is installed " \
+           "at the same path there."
+
+
+def _mpi_name(mpiexec):
+    """The MPI that `mpiexec` belongs to, as its users call it."""
+    banner = _version_banner(tuple(mpiexec))
+    for marker, name in (("Intel(R) MPI", "Intel MPI"), ("MVAPICH", "MVAPICH"), ("HYDRA", "MPICH"),
+                         ("Open MPI", "Open MPI"), ("OpenRTE", "Open MPI"), ("prterun", "Open MPI")):
+        if marker in banner:
+            return name
+    return "the MPI"
+
+
+# MPICH's Hydra
+
+def _mpich_endings(text):
+    """'PID 123 RUNNING AT node7', 'EXIT CODE: 9' (the signal's number when it was killed), then
+    'EXIT STRING: Killed (signal 9)'."""
+    terminated = re.search(r"PID (\d+) RUNNING AT (\S+)\s*=\s*EXIT CODE: (\d+)", text)
+    if not terminated:
+        return []
+    pid, host, code = terminated.groups()
+    how = re.search(r"EXIT STRING: (.+)", text)
+    return [_Ending(None, host, pid, how.group(1) if how else f"exit code {code}")]
+
+
+# What Hydra's refusals (MPICH's and Intel MPI's) mean: (a pattern of its message, the cause, the fix).
+_HYDRA_REFUSALS = [
+    (r"execvp error on file (\S+) \(([^)]*)\)", r"it could not run \1 (\2)", _SAME_PATH_FIX),
+    # ssh ends its lines with \r\n
+    (r"ssh: ([^\r\n]*)\r?\n(?:.*\n)*?.*Launch proxy failed", r"ssh could not start its proxy on a host (\1)",
+     _SSH_FIX),
+    (r"Unable to run bstrap_proxy on (\S+)", r"ssh could not start its proxy on \1", _SSH_FIX),  # Intel MPI
+]
+
+
+def _hydra_refusal(text, mpi_name):
+    for pattern, cause, fix in _HYDRA_REFUSALS:
+        match = re.search(pattern, text)
+        if match:
+            return f"{mpi_name}'s mpiexec could not start the job: {match.expand(cause)}. Fix: {fix}"
+    return None
+
+
+# Intel MPI's Hydra
+
+def _intel_mpi_endings(text):
+    """'RANK 1 PID 7846 RUNNING AT node7' then 'KILLED BY SIGNAL: 9 (Killed)', for each rank it saw
+    killed, including those it stopped itself; a rank that exited without finalizing is not named."""
+    found = re.findall(r"RANK (\d+) PID (\d+) RUNNING AT (\S+)\s*=\s*KILLED BY SIGNAL: (\d+) \(([^)]*)\)", text)
+    return [_Ending(int(rank), host, pid, f"{name} (signal {number})") for rank, pid, host, number, name in found]
+
+
+# Open MPI
+
+def _open_mpi_endings(text):
+    """Its framed messages, wrapped at any word: '... process rank 1 with PID 8160 on node vm exited
+    on signal 9 (Killed)', '... exiting improperly' (status 0 without finalizing MPI), and
+    'Process name: [prterun-vm-27643@1,1]' with 'Exit code: 3'."""
+    where = r"process\s+rank\s+(\d+)\s+with\s+PID\s+(\d+)\s+on\s+node\s+(\S+)\s+"
+    endings = [_Ending(int(rank), host, pid, f"{name or 'signal'} (signal {number})") for rank, pid, host, number, name
+               in re.findall(where + r"exited\s+on\s+signal\s+(\d+)(?:\s+\(([^)]*)\))?", text)]
+    endings += [_Ending(int(rank), host, pid, None)
+                for rank, pid, host in re.findall(where + r"exiting\s+improperly", text)]
+    endings += [_Ending(int(rank), "", "", f"exit status {code}")
+                for rank, code in re.findall(r"Process name: \[[^\]]*,(\d+)\]\s+Exit code:\s+(\d+)", text)]
+    return endings
+
+
 # What Open MPI's own refusals mean for a tarantella user: (a pattern of mpirun's message, the fix).
 _OPEN_MPI_REFUSAL_FIXES = [
     (r"attempt to run as root", "run as another user, or set OMPI_ALLOW_RUN_AS_ROOT=1 and "
@@ -643,12 +746,28 @@ _OPEN_MPI_REFUSAL_FIXES = [
                                 "when it runs as root)."),
     (r"not enough slots", "ask for fewer ranks (-n), list more hosts in the hostfile, or give each host "
                           "more slots; on one node the tarantella command lets Open MPI oversubscribe."),
-    (r"(?i)unable to find the specified executable|could not\s+access",
-     "check that the program and the Python interpreter exist on every host at the same path."),
-    (r"(?i)unable to (reach|start a daemon)|ssh|orted|prted", "check that `ssh HOST true` works for every host "
-                                                             "without a password, and that Open MPI is installed "
-                                                             "at the same path there."),
+    (r"(?i)unable to find the specified executable|could not\s+access", _SAME_PATH_FIX),
+    (r"(?i)unable to (reach|start a daemon)|daemon failed to report back|ssh|orted|prted", _SSH_FIX),
 ]
+
+
+def _open_mpi_refusal(text, mpi_name):
+    # Open MPI frames its own messages with lines of dashes; the first sentence says what is wrong.
+    framed = re.search(r"^-{20,}\n(.*?)^-{20,}$", text, re.S | re.M)
+    if not framed:
+        return None
+    paragraph = " ".join(framed.group(1).strip().split("\n\n")[0].split())
+    cause = re.split(r"(?<=[a-z])\. ", paragraph)[0].rstrip(".:")
+    for pattern, fix in _OPEN_MPI_REFUSAL_FIXES:
+        if re.search(pattern, framed.group(1)):
+            break
+    else:
+        fix = "see mpirun's full message above."
+    return f"{mpi_name}'s mpirun refused to start the job: {cause}. Fix: {fix}"
+
+
+_ENDING_READERS = (_mpich_endings, _intel_mpi_endings, _open_mpi_endings)
+_REFUSAL_READERS = {"hydra": _hydra_refusal, "openmpi": _open_mpi_refusal}
 
 
 class _OutputMonitor:
@@ -656,9 +775,10 @@ class _OutputMonitor:
 
     _KEPT_CHARACTERS = 1 << 16
 
-    def __init__(self, hosts_expected=(), quiet_tensorflow=True, flavour="unknown"):
+    def __init__(self, hosts_expected=(), quiet_tensorflow=True, flavour="unknown", mpi_name="the MPI"):
         self.hosts_expected = hosts_expected
         self.flavour = flavour
+        self.mpi_name = mpi_name
         self.quiet_tensorflow = quiet_tensorflow
         self.hosts = {}  # rank -> host
         self.ranks_by_pid = {}  # pid -> {host: rank}
@@ -719,6 +839,7 @@ class _OutputMonitor:
             rank = int(rank)
             if event == STARTED:
                 self.started[rank] = host
+                self.ranks_by_pid.setdefault(pid, {})[host] = rank
                 if host == socket.gethostname():
                     threading.Thread(target=self._watch, args=(rank, int(pid)), daemon=True).start()
             elif event == FINISHED:
@@ -764,16 +885,23 @@ class _OutputMonitor:
                 f"(TNT_START_TIMEOUT){where}. Check that `ssh HOST true` works for every host without a "
                 "password, and that the hosts can reach each other.")
 
-    def ranks_that_left_early(self):
-        """A description of the ranks that ended with status 0 without finishing the program."""
+    def _first_rank_to_end(self):
+        """Of the ranks on this host that did not finish the program, the first whose process ended."""
+        gone = [rank for rank in self.ended_at if rank not in self.finished]
+        return min(gone, key=self.ended_at.get) if gone else None
+
+    def ranks_that_left_early(self, status_known_zero=True):
+        """A description of the ranks that ended without finishing the program and without an error
+        that Python saw (with status 0, where the MPI tells)."""
         gone = sorted(set(self.started) - self.finished)
         if not gone:
             return None
-        first = min(gone, key=lambda rank: self.ended_at.get(rank, float("inf")))
-        if first in self.ended_at:
+        first = self._first_rank_to_end()
+        if first is not None:
             gone = [first]
         listing = ", ".join(f"rank {rank} on host {self.started[rank]}" for rank in gone)
-        return (f"{listing} left early: it ended with status 0 without finishing the program (e.g. "
+        status = "with status 0 " if status_known_zero else ""
+        return (f"{listing} left early: it ended {status}without finishing the program (e.g. "
                 "os._exit), and the MPI launcher stopped the other ranks. Their unfinished work (saves, "
                 "output) is lost. End a rank by returning from the program or with sys.exit.")
 
@@ -794,34 +922,38 @@ class _OutputMonitor:
         if aborted:
             rank = int(aborted.group(2))
             return f"rank {rank} on host {self.hosts.get(rank, '?')} exited with status {aborted.group(1)}."
-        # Hydra: "PID 123 RUNNING AT node7" then "EXIT CODE: 9" (a signal number when it was killed)
-        terminated = re.search(r"PID (\d+) RUNNING AT (\S+)\s*=\s*EXIT CODE: (\d+)", text)
-        if terminated:
-            pid, host, code = terminated.groups()
-            rank = self._rank_of(pid, host)
-            how = re.search(r"EXIT STRING: (.+)", text)
-            return f"rank {rank} on host {host} (pid {pid}) ended: {how.group(1) if how else 'exit code ' + code}."
-        killed = re.search(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)", text)
-        if killed:  # Open MPI
-            return f"rank {killed.group(1)} on host {killed.group(2)} was killed by signal {killed.group(3)}."
-        return "see the ranks' messages above."
+        return self._rank_that_ended() or "see the ranks' messages above."
+
+    def _rank_that_ended(self):
+        """The rank whose end made the MPI launcher stop the job: the one whose process here ended
+        first, else the first the MPI's own message names; how it ended, as the MPI says."""
+        endings = [ending for read in _ENDING_READERS for ending in read(self.recent)]
+        for ending in endings:
+            if ending.rank is None:
+                ending.rank = self._rank_of(ending.pid, ending.host)
+        first = self._first_rank_to_end()
+        if first is not None:
+            reported = [ending for ending in endings if ending.rank == first]
+            if not reported or reported[0].how is None:  # the MPI saw no signal or error: status 0, or unknown
+                return self.ranks_that_left_early(status_known_zero=bool(reported))
+            ending = reported[0]
+        elif endings:
+            ending = endings[0]
+        else:
+            return None
+        if ending.how is None:
+            return self.ranks_that_left_early()
+        host = ending.host or self.started.get(ending.rank, "?")
+        return f"rank {ending.rank} on host {host}" + (f" (pid {ending.pid})" if ending.pid else "") + \
+            f" ended: {ending.how}."
 
     def launcher_refusal(self):
-        """One line naming the MPI, the cause and the fix, when Open MPI's mpirun refused to start
-        the job (its own framed message, and no rank started); else None."""
-        if self.flavour != "openmpi" or self.started or self.hosts:
+        """One line naming the MPI, the cause and the fix, when the MPI launcher refused to start the
+        job (no rank started, and its message is one this command knows); else None."""
+        read = _REFUSAL_READERS.get(self.flavour)
+        if not read or self.started or self.hosts:
             return None
-        # Open MPI frames its own messages with lines of dashes; the first paragraph says what is wrong.
-        framed = re.search(r"^-{20,}\n(.*?)^-{20,}$", self.recent, re.S | re.M)
-        if not framed:
-            return None
-        cause = " ".join(framed.group(1).strip().split("\n\n")[0].split())
-        for pattern, fix in _OPEN_MPI_REFUSAL_FIXES:
-            if re.search(pattern, framed.group(1)):
-                break
-        else:
-            fix = "see mpirun's full message above."
-        return f"Open MPI's mpirun refused to start the job: {cause.rstrip('.:')}. Fix: {fix}"
+        return read(self.recent, self.mpi_name)
 
     def _rank_of(self, pid, host):
         # MPI names the host as the hostfile does (maybe an address), the rank by its host name.
@@ -845,7 +977,7 @@ def _cleanup(options, program, hosts):
     flavour = _mpi_flavour(mpiexec)
     per_host = Placement(hosts, ranks_per_node=1, use_gpu=False, warnings=[])
     if flavour == "hydra":
-        command = list(mpiexec) + ["-hosts", _hosts_with_slots(per_host), "-n", str(len(hosts))]
+        command = list(mpiexec) + _hydra_hosts(per_host) + ["-n", str(len(hosts))]
     elif flavour == "openmpi":
         command = list(mpiexec) + ["--host", _hosts_with_slots(per_host), "-n", str(len(hosts))]
     elif flavour == "srun":

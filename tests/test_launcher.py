@@ -142,6 +142,11 @@ def test_a_missing_script_or_launcher_is_reported_once_before_any_rank_starts(tm
     assert process.stderr == ("tarantella: error: TNT_MPIEXEC='/nowhere/mpiexec -v' names '/nowhere/mpiexec', "
                               "which is not an executable program (nor on PATH). Fix TNT_MPIEXEC, or unset it to "
                               "use mpiexec.\n")
+    process = run_launcher("-n", "2", "--python-interpreter", "/nowhere/python -u", "--", str(script))
+    assert process.returncode == 2
+    assert process.stderr == ("tarantella: error: the interpreter '/nowhere/python' (--python-interpreter) is not an "
+                              "executable program (nor on PATH). Name one that exists on every host at the same "
+                              "path.\n")
 
 
 def test_only_tensorflows_own_tf_variables_are_forwarded():
@@ -159,9 +164,9 @@ def test_hostfile_places_ranks_per_node_with_each_alias_of_n_per_node(tmp_path):
     hostfile.write_text("# our nodes\nnode-a\n\nnode-b  # the second\n")
     for alias in ["--n-per-node", "--devices-per-node", "--npernode"]:
         output = dry_run("--hostfile", str(hostfile), alias, "2", "--no-gpu", "--", "t.py")
-        assert " -hosts node-a:2,node-b:2 -n 4 " in command_of(output)
+        assert " -hosts node-a:2,node-b:2 -ppn 2 -n 4 " in command_of(output)
         assert output.splitlines()[-1] == "ranks: 4 (2 per node on node-a, node-b, CPU)"
-    assert " -hosts node-a:3,node-b:3 -n 6 " in command_of(dry_run("--hostfile", str(hostfile), "-n", "6",
+    assert " -hosts node-a:3,node-b:3 -ppn 3 -n 6 " in command_of(dry_run("--hostfile", str(hostfile), "-n", "6",
                                                                    "--no-gpu", "--", "t.py"))
 
 
@@ -188,14 +193,14 @@ def test_inside_slurm_the_allocation_gives_hosts_and_tasks_per_node(tmp_path):
     slurm = clean_env(SLURM_JOB_ID="42", SLURM_JOB_NODELIST="node[01-03,07],gpu[1-2]-ib",
                       SLURM_NTASKS_PER_NODE="2")
     output = dry_run("--", "t.py", env=slurm)
-    assert " -hosts node01:2,node02:2,node03:2,node07:2,gpu1-ib:2,gpu2-ib:2 -n 12 " in command_of(output)
+    assert " -hosts node01:2,node02:2,node03:2,node07:2,gpu1-ib:2,gpu2-ib:2 -ppn 2 -n 12 " in command_of(output)
     tasks_only = clean_env(SLURM_JOB_NODELIST="c[9-11]", SLURM_TASKS_PER_NODE="3(x3)")
-    assert " -hosts c9:3,c10:3,c11:3 -n 9 " in command_of(dry_run("--", "t.py", env=tasks_only))
-    assert " -hosts c9:1,c10:1,c11:1 -n 3 " in command_of(dry_run("--n-per-node", "1", "--", "t.py",
+    assert " -hosts c9:3,c10:3,c11:3 -ppn 3 -n 9 " in command_of(dry_run("--", "t.py", env=tasks_only))
+    assert " -hosts c9:1,c10:1,c11:1 -ppn 1 -n 3 " in command_of(dry_run("--n-per-node", "1", "--", "t.py",
                                                                   env=tasks_only))
     hostfile = tmp_path / "hosts"
     hostfile.write_text("mine\n")
-    assert " -hosts mine:1 -n 1 " in command_of(dry_run("--hostfile", str(hostfile), "--", "t.py", env=slurm))
+    assert " -hosts mine:1 -ppn 1 -n 1 " in command_of(dry_run("--hostfile", str(hostfile), "--", "t.py", env=slurm))
 
 
 def test_srun_as_the_launcher_gets_tasks_nodes_and_variables_through_env(tmp_path):
@@ -228,7 +233,7 @@ def test_an_allocation_with_different_tasks_per_node_is_refused_unless_n_says_ho
     assert ("tarantella: error: the Slurm allocation has different numbers of tasks per node "
             "(SLURM_TASKS_PER_NODE=2,1), and tarantella runs as many ranks on every node. Ask Slurm for the "
             "same number on each (--ntasks-per-node), or give -n or --n-per-node.") in refused("--", "t.py", env=uneven)
-    assert " -hosts n1:1,n2:1 -n 2 " in command_of(dry_run("-n", "2", "--", "t.py", env=uneven))
+    assert " -hosts n1:1,n2:1 -ppn 1 -n 2 " in command_of(dry_run("-n", "2", "--", "t.py", env=uneven))
 
 
 # -- devices -------------------------------------------------------------------------------------
@@ -348,7 +353,7 @@ def test_cleanup_reaches_every_host_of_the_hostfile(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node-a\nnode-b\n")
     command = command_of(dry_run("--hostfile", str(hostfile), "--cleanup", "--force", "--", "train.py"))
-    assert re.search(r" -hosts node-a:1,node-b:1 -n 2 \S*python[\d.]* -m tarantella.launcher "
+    assert re.search(r" -hosts node-a:1,node-b:1 -ppn 1 -n 2 \S*python[\d.]* -m tarantella.launcher "
                      r"_stop-processes-here SIGKILL train\.py$", command), command
 
 

@@ -1,95 +1,28 @@
-"""Several hosts on one machine: each "host" is a network namespace with its own address on a
-bridge, reached through a stand-in for ssh that runs Hydra's proxy with `ip netns exec`.
+"""Several hosts on one machine (tests/netns_hosts.py): each "host" is a network namespace with
+its own address and host name, reached through a stand-in for ssh that runs Hydra's proxy there.
 
 The job starts from a hostfile of the hosts' addresses, the ranks talk over TCP, and the
 result must equal serial Keras. Needs root and `ip` (CI runs as root); skipped otherwise.
 """
 
 import os
-import shutil
-import socket
 import subprocess
-import textwrap
 import time
 
 import numpy as np
 import pytest
 
 from conftest import WORKERS, assert_ok, launcher_command, quiet_env, run_python
+from netns_hosts import namespace_hosts, network_namespace_of
 
 HOSTS = 3
 CASES = "mlp-adam,wide-mlp-adam"  # the wide MLP's 1 MiB gradients take the ring allreduce
-TAG = f"tnt{os.getpid() % 10000}"
-SUBNET = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
-
-
-def _ip(*arguments):
-    subprocess.run(["ip", *arguments], check=True, capture_output=True, text=True, timeout=30)
-
-
-def _namespace(index):
-    return f"{TAG}h{index}"
 
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
-    """Creates the namespaces, bridge and ssh stand-in; removes them again, whatever happens."""
-    if os.geteuid() != 0 or not shutil.which("ip"):
-        pytest.skip("needs root and the `ip` command (iproute2) to make network namespaces")
-    try:
-        _ip("netns", "add", _namespace(1))
-    except (subprocess.CalledProcessError, OSError) as error:
-        pytest.skip(f"cannot create a network namespace here: {getattr(error, 'stderr', error)}")
-    bridge = f"{TAG}br"
-    addresses = [f"{SUBNET}.{index}" for index in range(1, HOSTS + 1)]
-    try:
-        _ip("link", "add", bridge, "type", "bridge")
-        _ip("addr", "add", f"{SUBNET}.254/24", "dev", bridge)
-        _ip("link", "set", bridge, "up")
-        for index, address in enumerate(addresses, 1):
-            namespace = _namespace(index)
-            if index > 1:
-                _ip("netns", "add", namespace)
-            _ip("link", "add", f"{TAG}v{index}", "type", "veth", "peer", "name", "eth0", "netns", namespace)
-            _ip("link", "set", f"{TAG}v{index}", "master", bridge, "up")
-            _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", "eth0")
-            _ip("-n", namespace, "link", "set", "eth0", "up")
-            _ip("-n", namespace, "link", "set", "lo", "up")
-            # `ip netns exec` puts this file over /etc/hosts: the proxies find mpiexec, which
-            # names itself by this machine's host name, at the bridge's address.
-            os.makedirs(f"/etc/netns/{namespace}", exist_ok=True)
-            with open(f"/etc/netns/{namespace}/hosts", "w") as file:
-                file.write(f"127.0.0.1 localhost\n{SUBNET}.254 {socket.gethostname()}\n")
-        directory = tmp_path_factory.mktemp("hosts")
-        hostfile = directory / "hostfile"
-        hostfile.write_text("\n".join(addresses) + "\n")
-        fake_ssh = directory / "ssh-into-namespace"
-        cases = "\n".join(f"    {address}) namespace={_namespace(i)} ;;" for i, address in enumerate(addresses, 1))
-        fake_ssh.write_text(textwrap.dedent("""\
-            #!/bin/sh
-            # Hydra calls its ssh launcher as: ssh -x HOST "proxy command"
-            [ "$1" = "-x" ] && shift
-            host=$1; shift
-            case $host in
-            {cases}
-                *) echo "ssh-into-namespace: unknown host $host" >&2; exit 255 ;;
-            esac
-            exec ip netns exec "$namespace" sh -c "$*"
-            """).replace("{cases}", cases.strip()))
-        fake_ssh.chmod(0o755)
-        yield {"hostfile": hostfile, "env": {"HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": str(fake_ssh)}}
-    finally:
-        for index in range(1, HOSTS + 1):
-            namespace = _namespace(index)
-            pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout
-            for pid in pids.split():
-                try:
-                    os.kill(int(pid), 9)
-                except ProcessLookupError:
-                    pass
-            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
-            shutil.rmtree(f"/etc/netns/{namespace}", ignore_errors=True)
-        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+    with namespace_hosts(HOSTS, tmp_path_factory.mktemp("hosts")) as made:
+        yield {"hostfile": made.hostfile, "env": {"HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": str(made.ssh)}}
 
 
 def load(path):
@@ -116,7 +49,7 @@ def test_a_job_over_three_namespace_hosts_trains_like_serial_keras(hosts, tmp_pa
         # MPI sees one rank per node (no shared memory), and the -x variable arrived
         assert line.endswith(" GREETING=from the launcher node ranks 1"), line
         namespaces.add(line.split()[2])
-    own = os.readlink("/proc/self/ns/net")
+    own = network_namespace_of()
     assert len(namespaces) == HOSTS and own not in namespaces, "each rank runs in its own host's namespace"
     for case in CASES.split(","):
         expected = load(serial / f"{case}.rank0.npz")
@@ -131,8 +64,8 @@ def test_a_job_over_three_namespace_hosts_trains_like_serial_keras(hosts, tmp_pa
 
 def test_cleanup_runs_on_every_host_of_the_hostfile(hosts):
     process = subprocess.run(launcher_command() + ["--hostfile", str(hosts["hostfile"]), "--cleanup", "--",
-                                                   f"nothing_runs_this_{TAG}.py"],
+                                                   f"nothing_runs_this_{os.getpid()}.py"],
                              capture_output=True, text=True, timeout=60, env=quiet_env(**hosts["env"]))
     assert_ok(process)
-    reports = [line for line in process.stdout.splitlines() if f"running nothing_runs_this_{TAG}.py" in line]
+    reports = [line for line in process.stdout.splitlines() if f"running nothing_runs_this_{os.getpid()}.py" in line]
     assert len(reports) == HOSTS and all("sent SIGTERM to 0 process(es)" in line for line in reports), reports

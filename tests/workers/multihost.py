@@ -1,7 +1,7 @@
 """Run by the multi-host test on "hosts" that are network namespaces.
 
-Each rank tells its network namespace, the GREETING it got and how many ranks share its
-node, then trains the given cases of train_cases.py."""
+Each rank tells its network namespace, the PYTHONPATH and GREETING it got and how many ranks
+share its node, then trains the given cases of train_cases.py."""
 
 import os
 import sys
@@ -13,7 +13,8 @@ from train_cases import run_case
 
 node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
 sys.stdout.write(f"rank {MPI.COMM_WORLD.Get_rank()}: {os.readlink('/proc/self/ns/net')} "
-                 f"GREETING={os.environ.get('GREETING')} node ranks {node.Get_size()}\n")
+                 f"PYTHONPATH={os.environ.get('PYTHONPATH')} GREETING={os.environ.get('GREETING')} "
+                 f"node ranks {node.Get_size()}\n")
 sys.stdout.flush()
 for name in sys.argv[2].split(","):
     run_case(name, "tnt", sys.argv[1])
