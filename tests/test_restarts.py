@@ -141,7 +141,7 @@ def test_inside_slurm_each_attempt_gets_the_allocation_and_a_backup_folder_named
                          env={"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NTASKS_PER_NODE": "2"},
                          timeout=60)
     assert process.returncode == 0, report(process)
-    assert " -hosts node1:2,node2:2 -n 4 " in process.stdout, process.stdout
+    assert " -hosts node1:2,node2:2 -ppn 2 -n 4 " in process.stdout, process.stdout
     assert f"  TNT_BACKUP_DIR={tmp_path}/tarantella-backups/train-slurm42\n" in process.stdout, process.stdout
     assert "  TNT_BACKUP_EVERY_STEPS=50\n" in process.stdout and "  TNT_RESTART_ATTEMPT=0\n" in process.stdout
     assert os.listdir(tmp_path) == [], "a dry run creates no folder"
