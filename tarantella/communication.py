@@ -446,6 +446,11 @@ def _finish(communicator):
     sys.stderr.write(f"tarantella: rank {communicator.rank} on host {communicator.host} reached the end of the "
                      f"program after a failed collective ({communicator._broken}); stopping all ranks.\n")
     sys.stderr.flush()
+    from tarantella import rank_entry
+    culprit = getattr(_first_failure, "culprit", None)
+    rank_entry.announce(rank_entry.FAILED, "CollectiveError",
+                        rank_entry.UNKNOWN_CULPRIT if culprit is None else str(culprit),
+                        f"it reached the end of the program after a failed collective ({communicator._broken})")
     from mpi4py import MPI
     MPI.COMM_WORLD.Abort(1)
 
@@ -690,9 +695,24 @@ def init():
         _configure_tensorflow(local_rank, local_size)
     if _world.size > 1:
         _stop_all_ranks_on_uncaught_error(_world.rank)
-        from tarantella.rank_entry import watch_parent
-        watch_parent()  # started already where the `tarantella` command runs the rank
+        from tarantella import rank_entry
+        rank_entry.watch_parent()  # started already where the `tarantella` command runs the rank
+        if rank_entry.reports_to_the_command():
+            _report_the_programs_mpi_aborts(MPI)
     return _world
+
+
+def _report_the_programs_mpi_aborts(MPI):
+    """Makes MPI.COMM_WORLD (and the communicators the program derives from it) report a call
+    of Abort to the `tarantella` command before aborting, so that it names this rank."""
+    from tarantella import rank_entry
+
+    class ReportingIntracomm(MPI.Intracomm):
+        def Abort(self, errorcode=0):
+            rank_entry.report_mpi_abort(errorcode)
+            super().Abort(errorcode)
+
+    MPI.COMM_WORLD = ReportingIntracomm(MPI.COMM_WORLD)
 
 
 def _multiprocessing_worker():

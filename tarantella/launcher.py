@@ -634,7 +634,8 @@ class _FailureReport:
     """What a rank reported about its failure."""
     rank: int
     host: str
-    error: str  # the error's name, or exit-status-N
+    pid: int
+    error: str  # the error's name, exit-status-N or mpi-abort-N
     culprit: str  # OWN_FAILURE, UNKNOWN_CULPRIT, or the number of the rank whose failure caused this one
     summary: str
     at: float  # when it arrived (time.monotonic)
@@ -642,6 +643,9 @@ class _FailureReport:
     def describe(self):
         if self.error.startswith("exit-status-"):
             return f"rank {self.rank} on host {self.host} exited with status {self.error[len('exit-status-'):]}."
+        if self.error.startswith("mpi-abort-"):
+            return (f"rank {self.rank} on host {self.host} (pid {self.pid}) called MPI_Abort with status "
+                    f"{self.error[len('mpi-abort-'):]}.")
         return f"rank {self.rank} on host {self.host} raised {self.error}" + (
             f": {self.summary}." if self.summary else ".")
 
@@ -738,7 +742,7 @@ class _OutputMonitor:
             self.finished_at[rank] = time.monotonic()
         elif event == FAILED:
             error, culprit, summary = (details + ["an error", OWN_FAILURE, ""][len(details):])[:3]
-            self.failed.append(_FailureReport(rank, host, error, culprit, summary, time.monotonic()))
+            self.failed.append(_FailureReport(rank, host, int(pid), error, culprit, summary, time.monotonic()))
 
     def _watch_here(self, rank, pid, parent):
         """Notes when a rank's process on this host ends (the first to end is the one that left),
@@ -861,9 +865,11 @@ class _OutputMonitor:
         return self._ended_elsewhere() or "no rank reported a failure; see the MPI launcher's messages above."
 
     def _aborted(self, status):
-        """The rank that called MPI_Abort itself, as its MPI library says, where that agrees with the
-        job's exit status and the rank reported nothing else. (The MPI launcher kills the other
-        ranks while the aborting one waits, so it is not the first to end.)"""
+        """The rank that called MPI_Abort itself without tarantella's report (a program without
+        tarantella, or one that kept MPI.COMM_WORLD from before `import tarantella`), as its MPI
+        library says, where that agrees with the job's exit status. (The MPI launcher kills the
+        other ranks while the aborting one waits, so it is not the first to end; and it may drop
+        this message.)"""
         for pattern in (r"Abort\((\d+)\) on node \d+ \(rank (\d+) in comm 0\)",  # MPICH
                         r"MPI_ABORT was invoked on rank (\d+) in communicator MPI_COMM_WORLD\s+with errorcode (\d+)"):
             for match in re.finditer(pattern, self.recent):

@@ -37,16 +37,26 @@ _ORPHAN_GRACE_S = 1.0
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 PARENT_WATCH_THREAD = "tarantella-parent-watch"
 
-_report_key = None
+_report_key = None  # this job's key; None where the `tarantella` command did not start the rank
+_failure_reported = False
 
 
 def launcher_rank():
     return next((os.environ[name] for name in _RANK_VARIABLES if os.environ.get(name)), "?")
 
 
+def reports_to_the_command():
+    return bool(_report_key)
+
+
 def announce(event, *details):
-    write_to_process_stderr(" ".join([RANK_ANNOUNCEMENT + _report_key, event, launcher_rank(),
-                                      socket.gethostname(), str(os.getpid()), *details]))
+    global _failure_reported
+    if _report_key is None:
+        return
+    _failure_reported = _failure_reported or event == FAILED
+    line = " ".join([RANK_ANNOUNCEMENT + _report_key, event, launcher_rank(), socket.gethostname(),
+                     str(os.getpid()), *details])
+    write_to_process_stderr(" ".join(line.split()))  # one line, whatever a summary holds
 
 
 def write_to_process_stderr(line):
@@ -75,6 +85,15 @@ def describe_failure(error):
         culprit = UNKNOWN_CULPRIT  # a broken MPI call: another rank's failure, most likely
     summary = getattr(error, "summary", None) or ""
     return type(error).__name__, OWN_FAILURE if culprit is None else str(culprit), " ".join(summary.split())
+
+
+def report_mpi_abort(status):
+    """Reports that the program calls MPI_Abort, unless this rank reported its failure already:
+    the MPI launcher kills the other ranks while this one waits, and may drop the MPI
+    library's own message, so only this report can name the rank."""
+    if reports_to_the_command() and not _failure_reported:
+        announce(FAILED, f"mpi-abort-{status}", OWN_FAILURE)
+        time.sleep(_OUTPUT_GRACE_S)  # MPI stops passing on this rank's output once it aborts
 
 
 def watch_parent():
@@ -112,10 +131,12 @@ def main():
     # Run as a file, Python put this file's folder first on the path, where tarantella's modules
     # would hide the program's own (data.py, config.py, ...). The program's folder goes there.
     sys.path[0] = os.getcwd()
+    # tarantella, once the program imports it, reports through this module, which holds the key.
+    sys.modules["tarantella.rank_entry"] = sys.modules[__name__]
     arguments = sys.argv[1:]
     if arguments and arguments[0].startswith(REPORT_KEY_OPTION):
         _report_key = arguments.pop(0)[len(REPORT_KEY_OPTION):]
-    else:
+    else:  # started by hand: reports that no command reads
         _report_key = ""
     from mpi4py.run import run_command_line, set_abort_status
 

@@ -261,15 +261,6 @@ def _seconds_after_rank_1_failed(stderr):
     return time.time() - float(re.search(r"rank 1: failing at ([\d.]+)", stderr).group(1))
 
 
-def test_a_rank_calling_mpi_abort_itself_is_named():
-    returncode, _, stderr, _ = run_plain_job("abort-on-rank-1", timeout=30)
-    assert returncode == 3, stderr
-    assert _seconds_after_rank_1_failed(stderr) < 10
-    assert re.fullmatch(rf"tarantella: the job failed \(exit status 3\): rank 1 on host "
-                        rf"{re.escape(socket.gethostname())} \(pid \d+\) called MPI_Abort with status 3\.",
-                        last_line(stderr)), stderr
-
-
 def test_failure_lines_the_program_printed_itself_do_not_name_the_culprit():
     # Rank 0 printed an old failure line (and report lines without this job's key); the real failure
     # came later, on rank 1, and was reported as rank 0's.

@@ -43,37 +43,24 @@ def run_forever():
         time.sleep(0.1)
 
 
-def _fail_on_rank_1_after_both_started(fail):
-    from mpi4py import MPI
-    MPI.COMM_WORLD.Barrier()
-    if MPI.COMM_WORLD.Get_rank() == 1:
-        sys.stderr.write(f"rank 1: failing at {time.time():.3f}\n")
-        sys.stderr.flush()
-        fail(MPI)
-    while True:
-        time.sleep(0.1)
-
-
-def abort_on_rank_1():
-    """Rank 1 calls MPI_Abort itself, while rank 0 runs on."""
-    _fail_on_rank_1_after_both_started(lambda MPI: MPI.COMM_WORLD.Abort(3))
-
-
 def old_failure_lines_then_rank_1_raises():
-    """Rank 0 prints what looks like a failure report (a log of an earlier job), then rank 1 fails."""
+    """Rank 0 prints what looks like failure reports (a log of an earlier job), then rank 1 fails."""
     import socket
-    if os.environ.get("PMI_RANK") == "0":
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_rank() == 0:
         host = socket.gethostname()
         sys.stderr.write(f"tarantella: rank 0 on host {host} failed with ValueError; stopping all ranks.\n"
                          f"tarantella-rank-announcement: failed 0 {host} {os.getpid()} ValueError - old\n"
                          f"tarantella-rank-announcement:0123456789abcdef0123456789abcdef failed 0 {host} "
                          f"{os.getpid()} ValueError - old\n")
         sys.stderr.flush()
-
-    def fail(MPI):
+    MPI.COMM_WORLD.Barrier()
+    if MPI.COMM_WORLD.Get_rank() == 1:
+        sys.stderr.write(f"rank 1: failing at {time.time():.3f}\n")
+        sys.stderr.flush()
         raise RuntimeError("the real failure")
-
-    _fail_on_rank_1_after_both_started(fail)
+    while True:
+        time.sleep(0.1)
 
 
 if __name__ == "__main__":
@@ -81,5 +68,4 @@ if __name__ == "__main__":
         start_a_child(sys.argv[2])
     else:
         {"fail-before-mpi": fail_before_mpi, "chatter": chatter, "run-forever": run_forever,
-         "abort-on-rank-1": abort_on_rank_1,
          "old-failure-lines-then-rank-1-raises": old_failure_lines_then_rank_1_raises}[sys.argv[1]]()

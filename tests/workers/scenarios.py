@@ -85,6 +85,11 @@ def os_exit_0_on_rank_1():
     train_until_rank_1_fails(lambda: os._exit(0))
 
 
+def mpi_abort_on_rank_1():
+    from mpi4py import MPI
+    train_until_rank_1_fails(lambda: MPI.COMM_WORLD.Abort(3))
+
+
 def stop_rank_1():
     train_until_rank_1_fails(lambda: os.kill(os.getpid(), signal.SIGSTOP))
 
@@ -359,6 +364,7 @@ SCENARIOS = {
     "exit-0-on-rank-1": exit_0_on_rank_1,
     "os-exit-0-on-rank-1": os_exit_0_on_rank_1,
     "stop-rank-1": stop_rank_1,
+    "mpi-abort-on-rank-1": mpi_abort_on_rank_1,
     "evaluate-while-fit": evaluate_while_fit,
     "different-optimizers": different_optimizers,
     "master-callback-fails": master_callback_fails,
