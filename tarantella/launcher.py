@@ -862,6 +862,8 @@ class _OutputMonitor:
         consequence = self._consequence_naming_the_culprit()
         if consequence is not None:
             return consequence.describe()
+        if not self.started:
+            return "the MPI launcher ended before any rank started; see its messages above."
         return self._ended_elsewhere() or "no rank reported a failure; see the MPI launcher's messages above."
 
     def _aborted(self, status):

@@ -124,8 +124,8 @@ def test_a_child_process_left_running_does_not_keep_the_finished_job_alive():
     assert "a process a rank started still held the ranks' output open" in stderr, stderr
 
 
-def _start_running_ranks(marker):
-    launcher = start("-n", "2", "--no-gpu", "--", str(PLAIN), "run-forever", marker, stdout=subprocess.DEVNULL,
+def _start_running_ranks(marker, scenario="run-forever"):
+    launcher = start("-n", "2", "--no-gpu", "--", str(PLAIN), scenario, marker, stdout=subprocess.DEVNULL,
                      stderr=subprocess.PIPE)
     running = 0
     for line in launcher.stderr:
@@ -308,3 +308,19 @@ def test_worker_processes_a_rank_starts_run_as_plain_processes_outside_the_job(m
     for rank in (0, 1):
         assert f"rank {rank}: {method} workers gave [(4, 1), (9, 1)]" in process.stderr, process.stderr
     assert "PMI" not in process.stderr, process.stderr
+
+
+def test_ctrl_c_ends_the_job_even_when_the_ranks_ignore_sigterm():
+    # The MPI launcher passed SIGTERM on and waited for the ranks for ever, and so did the
+    # command, through every further Ctrl+C or SIGTERM.
+    marker = f"marker-{uuid.uuid4().hex}"
+    launcher = _start_running_ranks(marker, "run-forever-ignoring-sigterm")
+    try:
+        returncode, stderr, seconds, leftovers = _end_after(launcher, marker,
+                                                            lambda: launcher.send_signal(signal.SIGINT))
+    finally:
+        stop_leftovers(launcher, marker)
+    assert returncode == 128 + signal.SIGINT, stderr
+    assert seconds < 10
+    assert last_line(stderr) == "tarantella: stopped every rank on SIGINT.", stderr
+    assert leftovers == []

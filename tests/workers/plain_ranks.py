@@ -35,7 +35,10 @@ def start_a_child(marker):
     sys.stdout.write(f"rank {MPI.COMM_WORLD.Get_rank()} done\n")
 
 
-def run_forever():
+def run_forever(ignore_sigterm=False):
+    if ignore_sigterm:  # a program that blocks SIGTERM (or whose handler does not end it)
+        import signal
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from mpi4py import MPI
     sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()}: running\n")
     sys.stderr.flush()
@@ -68,4 +71,5 @@ if __name__ == "__main__":
         start_a_child(sys.argv[2])
     else:
         {"fail-before-mpi": fail_before_mpi, "chatter": chatter, "run-forever": run_forever,
+         "run-forever-ignoring-sigterm": lambda: run_forever(ignore_sigterm=True),
          "old-failure-lines-then-rank-1-raises": old_failure_lines_then_rank_1_raises}[sys.argv[1]]()
