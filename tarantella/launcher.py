@@ -856,15 +856,15 @@ class _OutputMonitor:
         aborted = self._aborted(status)
         if aborted is not None:
             return aborted
-        vanished = self._first_to_vanish(before=first_report)
-        if vanished is not None:
-            return vanished
+        ended = self._ended_as_the_mpi_launcher_says(before=first_report)
+        if ended is not None:
+            return ended
         consequence = self._consequence_naming_the_culprit()
         if consequence is not None:
             return consequence.describe()
         if not self.started:
             return "the MPI launcher ended before any rank started; see its messages above."
-        return self._ended_elsewhere() or "no rank reported a failure; see the MPI launcher's messages above."
+        return "no rank reported a failure; see the MPI launcher's messages above."
 
     def _aborted(self, status):
         """The rank that called MPI_Abort itself without tarantella's report (a program without
@@ -872,30 +872,33 @@ class _OutputMonitor:
         library says, where that agrees with the job's exit status. (The MPI launcher kills the
         other ranks while the aborting one waits, so it is not the first to end; and it may drop
         this message.)"""
-        for pattern in (r"Abort\((\d+)\) on node \d+ \(rank (\d+) in comm 0\)",  # MPICH
-                        r"MPI_ABORT was invoked on rank (\d+) in communicator MPI_COMM_WORLD\s+with errorcode (\d+)"):
+        for pattern in (r"Abort\((?P<code>\d+)\) on node \d+ \(rank (?P<rank>\d+) in comm 0\)",  # MPICH
+                        r"MPI_ABORT was invoked on rank (?P<rank>\d+) in communicator MPI_COMM_WORLD\s+with "
+                        r"errorcode (?P<code>\d+)"):  # Open MPI
             for match in re.finditer(pattern, self.recent):
-                code, rank = match.groups() if pattern.startswith("Abort") else reversed(match.groups())
-                rank = int(rank)
-                if int(code) == status and rank in self.started and not any(r.rank == rank for r in self.failed):
+                rank, code = int(match["rank"]), int(match["code"])
+                if code == status and rank in self.started and not any(r.rank == rank for r in self.failed):
                     return (f"rank {rank} on host {self.started[rank]} (pid {self.pids[rank]}) called MPI_Abort "
                             f"with status {code}.")
         return None
 
-    def _first_to_vanish(self, before):
-        """The rank on this host that ended first, before any report of a failure and without a
-        report of its own (killed, os._exit, MPI_Abort), with how it ended where the MPI launcher
-        says so."""
-        silent = [rank for rank, at in self.ended_at.items()
-                  if at < before and rank not in self.finished and not any(r.rank == rank for r in self.failed)]
-        if not silent:
+    def _ended_as_the_mpi_launcher_says(self, before):
+        """A rank without a report of its own that the MPI launcher says ended abnormally (killed,
+        or an exit with a status), before any failure report arrived; of those on this host, the
+        first to end. Only the MPI launcher's words for this job's very pids count."""
+        ended = []
+        for rank, pid in self.pids.items():
+            if rank in self.finished or any(r.rank == rank for r in self.failed):
+                continue
+            if self.ended_at.get(rank, float("-inf")) >= before:
+                continue  # ended after another rank's failure, as its consequence
+            how = self._launcher_says_how_it_ended(pid)
+            if how:
+                ended.append((self.ended_at.get(rank, float("inf")), rank, how))
+        if not ended:
             return None
-        rank = min(silent, key=self.ended_at.get)
-        host, pid = self.started[rank], self.pids[rank]
-        how = self._launcher_says_how_it_ended(pid)
-        return (f"rank {rank} on host {host} (pid {pid}) ended: {how}." if how else
-                f"rank {rank} on host {host} (pid {pid}) ended first, without reporting an error (os._exit, or "
-                "killed).")
+        _, rank, how = min(ended)
+        return f"rank {rank} on host {self.started[rank]} (pid {self.pids[rank]}) ended: {how}."
 
     def _consequence_naming_the_culprit(self):
         """The report that names the first rank in a chain of consequences (the rank that
@@ -928,15 +931,6 @@ class _OutputMonitor:
         for match in re.finditer(r"process rank \d+ with PID (\d+) on node \S+ exited on signal (\d+)", self.recent):
             if int(match.group(1)) == pid:
                 return f"killed by signal {match.group(2)}"
-        return None
-
-    def _ended_elsewhere(self):
-        """A rank on another host that the MPI launcher says ended abnormally (its pid is one of
-        this job's ranks)."""
-        for rank in sorted(set(self.pids) - set(self.ended_at) - self.finished):
-            how = self._launcher_says_how_it_ended(self.pids[rank])
-            if how:
-                return f"rank {rank} on host {self.started[rank]} (pid {self.pids[rank]}) ended: {how}."
         return None
 
     def launcher_refusal(self):
