@@ -324,3 +324,16 @@ def test_ctrl_c_ends_the_job_even_when_the_ranks_ignore_sigterm():
     assert seconds < 10
     assert last_line(stderr) == "tarantella: stopped every rank on SIGINT.", stderr
     assert leftovers == []
+
+
+def test_an_mpi_launcher_that_fails_before_any_rank_starts_is_said_to():
+    # ulimit -n 16: Hydra's proxy cannot make the ranks' pipes. The last line said "see the
+    # ranks' messages above", and no rank had run.
+    import resource
+    returncode, _, stderr, seconds = run_plain_job(
+        "run-forever", timeout=30, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (16, 16)))
+    assert returncode == 255, stderr
+    assert seconds < 10
+    assert "Too many open files" in stderr
+    assert last_line(stderr) == ("tarantella: the job failed (exit status 255): the MPI launcher ended before any "
+                                 "rank started; see its messages above."), stderr
