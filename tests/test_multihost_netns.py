@@ -6,10 +6,13 @@ result must equal serial Keras. Needs root and `ip` (CI runs as root); skipped o
 """
 
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -136,3 +139,62 @@ def test_cleanup_runs_on_every_host_of_the_hostfile(hosts):
     assert_ok(process)
     reports = [line for line in process.stdout.splitlines() if f"running nothing_runs_this_{TAG}.py" in line]
     assert len(reports) == HOSTS and all("sent SIGTERM to 0 process(es)" in line for line in reports), reports
+
+
+def _processes_in_namespaces():
+    return [pid for index in range(1, HOSTS + 1) for pid in subprocess.run(
+        ["ip", "netns", "pids", _namespace(index)], capture_output=True, text=True).stdout.split()]
+
+
+def test_a_host_whose_mpi_proxy_dies_is_named_and_the_job_ends(hosts, tmp_path):
+    # On a cluster the proxy dies with its ssh connection or by the OOM killer. Its rank trained
+    # on for ever, unseen by the command, while the others waited for it. Each "host" gets a
+    # host name of its own here, so that the command cannot watch its processes.
+    own_names = tmp_path / "ssh-with-own-host-name"
+    own_names.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        [ "$1" = "-x" ] && shift
+        host=$1; shift
+        exec unshare --uts -- sh -c 'hostname "h-$0"; exec "$1" -x "$0" "$2"' "$host" \
+            {hosts["env"]["HYDRA_LAUNCHER_EXEC"]} "$*"
+        """))
+    own_names.chmod(0o755)
+    launcher = subprocess.Popen(
+        launcher_command() + ["--hostfile", str(hosts["hostfile"]), "--no-gpu", "--", str(WORKERS / "scenarios.py"),
+                              "train-until-interrupted"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env=quiet_env(HYDRA_LAUNCHER="ssh", HYDRA_LAUNCHER_EXEC=str(own_names)))
+    try:
+        training = 0
+        for line in launcher.stderr:
+            training += line.endswith(": training\n")
+            if training == HOSTS:
+                break
+        third_host = subprocess.run(["ip", "netns", "pids", _namespace(HOSTS)], capture_output=True,
+                                    text=True).stdout.split()
+        proxy = next(int(pid) for pid in third_host if os.path.basename(
+            open(f"/proc/{pid}/cmdline").read().split("\0")[0]) == "hydra_pmi_proxy")
+        rest = []
+        reader = threading.Thread(target=lambda: rest.append(launcher.stderr.read()), daemon=True)
+        reader.start()
+        os.kill(proxy, signal.SIGKILL)
+        killed = time.monotonic()
+        launcher.wait(timeout=30)
+        seconds = time.monotonic() - killed
+        reader.join(timeout=10)
+        deadline = time.monotonic() + 5
+        while _processes_in_namespaces() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        leftovers = _processes_in_namespaces()
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    stderr = "".join(rest)
+    assert launcher.returncode not in (0, None), stderr
+    assert seconds < 10
+    third = re.escape(f"h-{SUBNET}.{HOSTS}")
+    assert re.fullmatch(rf"tarantella: the job failed \(exit status \d+\): rank [01] on host h-\S+ raised "
+                        rf"RankFailedError: rank 2 on host {third} lost its MPI proxy \(hydra_pmi_proxy, pid {proxy}\): "
+                        r"it ended \(killed, or its ssh connection dropped\), so this rank stopped\.",
+                        stderr.strip().splitlines()[-1]), stderr
+    assert leftovers == []
