@@ -8,18 +8,26 @@ master rank's training-step time and samples/s of:
   (c) tarantella at 2 ranks;
   (d) 2 ranks with the gradient allreduce monkeypatched away: the compute-only ceiling;
   (e) ResNet-50 only: 2 ranks with synchronized BatchNormalization;
+  (ring) with (c) and (d): the bare ring allreduce (mpi4py) of the model's gradient bytes over
+      (c)'s two ranks, timed in every round: (d) + (ring) is what a 2-rank step costs at best on
+      this machine, where the allreduce cannot hide behind compute (the ranks share its cores);
+  (timeline) named in --variants only: (c) recording its timeline (tarantella --timeline);
   (@REV) with --against REV: tarantella as it was at git revision REV, at 2 ranks (a git
       worktree of REV, imported by the same Python and packages; the worker is this one);
-and judges the step-time ratios (b)/(a), (c)/(d), (e)/(c) and (c)/(@REV) against their
-targets: this code may not be slower than REV. It also
-counts tarantella's collectives per step (each opens with a 16-byte agreement allreduce,
-which has no switch) and times that agreement.
+  (horovod) LeNet-5 and the MLP only: Horovod 0.28.1 at 2 ranks, on TensorFlow 2.15 and
+      Keras 2, from the environment that benchmarks/make_horovod_venv.sh builds (--horovod-venv;
+      skipped, with a line saying so, where there is none), under the same launcher and mpiexec;
+and judges the step-time ratios (b)/(a), (c)/(d), (c)/((d)+(ring)), (e)/(c), (timeline)/(c),
+(c)/(@REV) and (c)/(horovod) against their targets: this code may not be slower than REV. It also counts tarantella's agreement
+allreduces per step (one opens each step; there is no switch) and times one.
 
 Every variant trains the same model from the same seed on the same random data (SGD,
 sparse categorical cross-entropy, accuracy). How noise is kept out:
 - All variants of one model start together (benchmarks/scaling_worker.py) and stay alive;
   after tracing, each waits, taking no CPU, until told to run one timed window of a few
-  steps. Only one variant runs at a time.
+  steps. Only one variant runs at a time. Horovod's background thread runs a collective
+  every millisecond even while its program waits, so its job is stopped (SIGSTOP) between
+  windows.
 - A round runs one window of every variant, in the order a, b, c, d (, e), the next round
   in reverse, and so on, so drift of the machine's speed hits all variants alike.
 - A window's step time is the median of its steps; a ratio is computed per round, from
@@ -30,7 +38,7 @@ Compare numbers within one invocation only, on a quiet machine.
 
     python benchmarks/scaling.py [--models lenet5,mlp,resnet50,transformer] [--repeats 12]
         [--steps N] [--quick] [--plot FILE.png] [--json FILE.json]
-        [--against REV[,REV...]] [--variants a,b,c,d,e,@REV]
+        [--against REV[,REV...]] [--variants a,b,c,d,e,@REV,horovod] [--horovod-venv DIR]
     python benchmarks/scaling.py --compare FIRST.json SECOND.json
 """
 
@@ -44,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scaling_worker.py")
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # --against checks revisions out of it
@@ -56,36 +65,57 @@ MIN_ROUNDS_TO_JUDGE = 5  # fewer give no meaningful quartiles
 QUICK = {"repeats": 2, "steps": 2, "warmup": 2}
 START_TIMEOUT_S = 600  # all variants of a model start and trace together on a small machine
 WINDOW_TIMEOUT_S = 300
+DEFAULT_HOROVOD_VENV = os.path.join(REPOSITORY, ".venv-horovod")
 
-# label -> (description, ranks, worker --variant)
+
+class Variant(NamedTuple):
+    description: str
+    ranks: int
+    worker_variant: str  # scaling_worker.py --variant
+    tarantella_folder: str = None  # import tarantella from this checkout (--against), not the installed one
+    python: str = None  # the ranks' interpreter, where not this one
+    stop_between_windows: bool = False  # for a job that uses CPU while it waits
+
+
 VARIANTS = {
-    "a": ("plain Keras, 1 process", 1, "keras"),
-    "b": ("tarantella, 1 rank", 1, "tarantella"),
-    "c": ("tarantella, 2 ranks", 2, "tarantella"),
-    "d": ("2 ranks, no gradient allreduce", 2, "no-allreduce"),
-    "e": ("2 ranks, synchronized BatchNorm", 2, "sync-bn"),
+    "a": Variant("plain Keras, 1 process", 1, "keras"),
+    "b": Variant("tarantella, 1 rank", 1, "tarantella"),
+    "c": Variant("tarantella, 2 ranks", 2, "tarantella"),
+    "d": Variant("2 ranks, no gradient allreduce", 2, "no-allreduce"),
+    "e": Variant("2 ranks, synchronized BatchNorm", 2, "sync-bn"),
     # Ablations, timed only when named in --variants: what each safety mechanism costs.
-    "no-agreement": ("2 ranks, no agreement allreduce", 2, "no-agreement"),
-    "no-monitor": ("2 ranks, no peer monitor", 2, "no-monitor"),
-    "no-agreement-no-monitor": ("2 ranks, neither", 2, "no-agreement-no-monitor"),
+    "no-agreement": Variant("2 ranks, no agreement allreduce", 2, "no-agreement"),
+    "no-monitor": Variant("2 ranks, no peer monitor", 2, "no-monitor"),
+    "no-agreement-no-monitor": Variant("2 ranks, neither", 2, "no-agreement-no-monitor"),
+    # What recording the timeline costs, timed only when named in --variants.
+    "timeline": Variant("2 ranks, --timeline", 2, "timeline"),
+    # Its interpreter comes from --horovod-venv.
+    "horovod": Variant("Horovod (Keras 2), 2 ranks", 2, "horovod", stop_between_windows=True),
 }
-# Upper bounds on step-time ratios (numerator, denominator): what tarantella costs at one
-# rank, what the gradient allreduce costs at two, and what synchronized BatchNormalization adds.
+# Upper bounds on step-time ratios (numerator, denominator; "d+ring" is the sum of both per
+# round): what tarantella costs at one rank, what the gradient allreduce costs at two, the
+# 2-rank step against the machine's limit (compute plus a bare ring allreduce, issue 22), what
+# synchronized BatchNormalization adds, what the timeline costs, and how tarantella's 2-rank
+# step compares with Horovod's (issue 24).
+TIMELINE_TARGET = 1.03
 RATIO_TARGETS = {
-    "lenet5": {("b", "a"): 1.02, ("c", "d"): 1.08},
-    "mlp": {("b", "a"): 1.02, ("c", "d"): 1.25},
-    "resnet50": {("b", "a"): 1.02, ("c", "d"): 1.10, ("e", "c"): 1.10},
-    "transformer": {("b", "a"): 1.02, ("c", "d"): 1.10},
+    "lenet5": {("b", "a"): 1.02, ("c", "d"): 1.08, ("c", "d+ring"): 1.05, ("c", "horovod"): 0.95},
+    "mlp": {("b", "a"): 1.02, ("c", "d"): 1.25, ("c", "d+ring"): 1.03, ("c", "horovod"): 0.90},
+    "resnet50": {("b", "a"): 1.02, ("c", "d"): 1.10, ("c", "d+ring"): 1.03, ("e", "c"): 1.15},
+    "transformer": {("b", "a"): 1.02, ("c", "d"): 1.10, ("c", "d+ring"): 1.05},
 }
+RING = "bare ring allreduce (mpi4py), 2 ranks"
 MODELS = list(RATIO_TARGETS)
 MODEL_VARIANTS = {model: list("abcde" if model == "resnet50" else "abcd") for model in MODELS}
+for model in ("lenet5", "mlp"):  # the worker's other models need Keras 3
+    MODEL_VARIANTS[model].append("horovod")
 # (c)/(@REV): the code under test against an earlier revision of itself.
 AGAINST_TARGET = 1.00
 
 
 def against_variants(revisions, scratch):
-    """label -> (description, ranks, worker variant, folder to import tarantella from) per revision,
-    each checked out into a git worktree of its own under `scratch` (removed with it)."""
+    """label -> Variant per revision, each checked out into a git worktree of its own under
+    `scratch` (removed with it)."""
     variants = {}
     for revision in revisions:
         folder = os.path.join(scratch, f"revision-{len(variants)}")
@@ -93,14 +123,57 @@ def against_variants(revisions, scratch):
                        check=True)
         commit = subprocess.run(["git", "-C", folder, "rev-parse", "--short", "HEAD"], check=True,
                                 capture_output=True, text=True).stdout.strip()
-        variants[f"@{revision}"] = (f"tarantella at {commit}, 2 ranks", 2, "tarantella", folder)
+        variants[f"@{revision}"] = Variant(f"tarantella at {commit}, 2 ranks", 2, "tarantella",
+                                           tarantella_folder=folder)
     return variants
 
 
 def remove_worktrees(variants):
-    for *_, folder in variants.values():
-        if folder is not None:
-            subprocess.run(["git", "-C", REPOSITORY, "worktree", "remove", "--force", folder], check=False)
+    for variant in variants.values():
+        subprocess.run(["git", "-C", REPOSITORY, "worktree", "remove", "--force", variant.tarantella_folder],
+                       check=False)
+
+
+def horovod_variant(venv):
+    """The `horovod` variant run by the Python of `venv`, or None where Horovod is not built there."""
+    python = os.path.join(venv, "bin", "python")
+    if not os.access(os.path.join(venv, "bin", "horovodrun"), os.X_OK):  # installed with Horovod
+        return None
+    return VARIANTS["horovod"]._replace(python=python)
+
+
+def horovod_missing(venv):
+    """Where Horovod was looked for, and the command that builds it there."""
+    script = os.path.relpath(os.path.join(REPOSITORY, "benchmarks", "make_horovod_venv.sh"))
+    command = f"bash {script}" + ("" if venv == DEFAULT_HOROVOD_VENV else f" {venv}")
+    return f"no Horovod environment at {venv}; build it with: {command}"
+
+
+def horovod_skipped(models, named, horovod, venv):
+    """The line that says a run of every variant leaves (horovod) out, or None where it does not."""
+    if horovod is None and named is None and any("horovod" in MODEL_VARIANTS[model] for model in models):
+        return f"horovod variant skipped: {horovod_missing(venv)}"
+    return None
+
+
+def select_variants(model, named, revisions, horovod, horovod_venv):
+    """{label: Variant} to time for `model`: those `named` (None: the model's own, without the
+    ablations) plus the revisions'. Raises ValueError for a name it cannot time."""
+    ablations = [label for label in VARIANTS if label.startswith("no-") or label == "timeline"]
+    variants = {label: VARIANTS[label] for label in MODEL_VARIANTS[model] + ablations}
+    variants.update(revisions)
+    if named is None:
+        named = [label for label in variants if label not in ablations]
+        if horovod is None:
+            named = [label for label in named if label != "horovod"]
+    unknown = [label for label in named if label not in variants]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {', '.join(unknown)} for {model}; choose from {', '.join(variants)}")
+    if "horovod" in named:
+        if horovod is None:
+            raise ValueError(f"cannot time horovod: {horovod_missing(horovod_venv)}")
+        variants["horovod"] = horovod
+    return {label: variant for label, variant in variants.items() if label in named}
 
 
 class WorkerFailed(RuntimeError):
@@ -110,35 +183,43 @@ class WorkerFailed(RuntimeError):
 class Worker:
     """One variant's worker process (or 2-rank job), driven through FIFOs."""
 
-    def __init__(self, model, label, variant_spec, windows, steps, warmup, scratch):
-        description, ranks, variant, source = variant_spec
-        self.name = f"{model} ({label}) {description}"
+    def __init__(self, model, label, variant, windows, steps, warmup, scratch):
+        self.name = f"{model} ({label}) {variant.description}"
         self.control = os.path.join(scratch, f"{model}-{label.replace('@', 'at-').replace('/', '-')}")
         os.mkdir(self.control)
         # Opened read-write, so that neither side blocks in open() and a reader never sees EOF.
         self._go = []
-        for rank in range(ranks):
+        for rank in range(variant.ranks):
             path = os.path.join(self.control, f"go-{rank}")
             os.mkfifo(path)
             self._go.append(os.open(path, os.O_RDWR))
         os.mkfifo(os.path.join(self.control, "results"))
         self._results = os.open(os.path.join(self.control, "results"), os.O_RDWR | os.O_NONBLOCK)
         self._received = b""
-        prefix = [sys.executable] if ranks == 1 else [sys.executable, "-m", "tarantella.launcher", "-n",
-                                                      str(ranks), "--"]
-        self.command = prefix + [WORKER, "--model", model, "--variant", variant, "--windows", str(windows),
+        self._stop_between_windows = variant.stop_between_windows
+        self._rank_pids = []  # named by the ready message: each rank runs in a session of its own
+        if variant.ranks == 1:
+            prefix = [variant.python or sys.executable]
+        else:
+            prefix = [sys.executable, "-m", "tarantella.launcher", "-n", str(variant.ranks)]
+            prefix += ["--python-interpreter", variant.python] if variant.python else []
+            prefix += ["--"]
+        self.command = prefix + [WORKER, "--model", model, "--variant", variant.worker_variant,
+                                 "--windows", str(windows),
                                  "--steps-per-window", str(steps), "--warmup-steps", str(warmup),
                                  "--control", self.control]
         self._log_path = os.path.join(self.control, "output.log")
         environment = dict(os.environ)
-        if source is not None:  # the launcher and the ranks import that revision's tarantella
-            environment["PYTHONPATH"] = os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))
+        if variant.tarantella_folder is not None:  # the launcher and the ranks import that revision's tarantella
+            environment["PYTHONPATH"] = os.pathsep.join(
+                filter(None, [variant.tarantella_folder, os.environ.get("PYTHONPATH")]))
         with open(self._log_path, "w") as log:
             # A session of its own, so that stop() ends the launcher and its ranks together.
             self._process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
                                              start_new_session=True, env=environment)
 
     def send(self, command):
+        self._signal_ranks(signal.SIGCONT)
         for fifo in self._go:
             os.write(fifo, f"{command}\n".encode())
 
@@ -154,7 +235,19 @@ class Worker:
             if select.select([self._results], [], [], 0.5)[0]:
                 self._received += os.read(self._results, 1 << 16)
         line, self._received = self._received.split(b"\n", 1)
-        return json.loads(line)
+        message = json.loads(line)
+        if self._stop_between_windows:  # the master rank answered: the job waits for the next command
+            self._rank_pids = message.get("rank_pids", self._rank_pids)
+            self._signal_ranks(signal.SIGSTOP)
+        return message
+
+    def _signal_ranks(self, signum):
+        if self._stop_between_windows:
+            for pid in self._rank_pids:
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:  # ended: its job failed, which receive() reports
+                    pass
 
     def finish(self, timeout_s):
         self.send("end")
@@ -166,6 +259,7 @@ class Worker:
             raise WorkerFailed(f"{self.name} failed (exit status {status}).\n{self.log_tail()}")
 
     def stop(self):
+        self._signal_ranks(signal.SIGCONT)  # a stopped rank would not act on SIGTERM from its MPI launcher
         if self._process.poll() is None:
             os.killpg(self._process.pid, signal.SIGKILL)
             self._process.wait()
@@ -178,7 +272,7 @@ class Worker:
 
 
 def measure_model(model, variants, repeats, steps, warmup, scratch):
-    """Runs the `variants` ({label: spec}) of `model` for `repeats` interleaved rounds; returns the raw
+    """Runs the `variants` ({label: Variant}) of `model` for `repeats` interleaved rounds; returns the raw
     results."""
     labels = list(variants)
     started = time.monotonic()
@@ -187,10 +281,14 @@ def measure_model(model, variants, repeats, steps, warmup, scratch):
         for label in labels:
             workers[label] = Worker(model, label, variants[label], repeats, steps, warmup, scratch)
         ready = {label: worker.receive(START_TIMEOUT_S) for label, worker in workers.items()}
-        for label, (*_, source) in variants.items():
+        for label, variant in variants.items():
+            source = variant.tarantella_folder
             if source is not None and os.path.realpath(ready[label]["tarantella_folder"]) != os.path.realpath(source):
                 raise WorkerFailed(f"{workers[label].name} imported tarantella from "
                                    f"{ready[label]['tarantella_folder']}, not from its revision's {source}.")
+            if ready[label]["ranks"] != variant.ranks:  # e.g. ranks that each found an MPI of their own
+                raise WorkerFailed(f"{workers[label].name} runs as {ready[label]['ranks']} rank(s), not "
+                                   f"{variant.ranks}.")
         start_seconds = time.monotonic() - started
         print(f"{model}: all variants traced and ready after {start_seconds:.0f} s", file=sys.stderr, flush=True)
         windows = {label: [] for label in labels}
@@ -199,8 +297,11 @@ def measure_model(model, variants, repeats, steps, warmup, scratch):
             for label in order:
                 workers[label].send("window")
                 windows[label].append(workers[label].receive(WINDOW_TIMEOUT_S))
+            if "c" in workers and "d" in workers:  # the limit, moments after the windows it bounds
+                workers["c"].send("ring")
+                windows.setdefault("ring", []).append(workers["c"].receive(WINDOW_TIMEOUT_S))
             print(f"[{model} round {repeat + 1}/{repeats}] " + " ".join(
-                f"{label} {windows[label][-1]['median_step_seconds'] * 1e3:.1f}" for label in labels) + " ms/step",
+                f"{label} {windows[label][-1]['median_step_seconds'] * 1e3:.1f}" for label in windows) + " ms/step",
                 file=sys.stderr, flush=True)
         agreement = {"agreement_seconds": None, "collective_seconds": None}
         if "c" in workers:
@@ -212,10 +313,14 @@ def measure_model(model, variants, repeats, steps, warmup, scratch):
         for worker in workers.values():
             worker.stop()
     first = ready[labels[0]]
+    described = {label: {"description": variant.description, "ranks": variant.ranks}
+                 for label, variant in variants.items()}
+    if "ring" in windows:
+        described["ring"] = {"description": RING, "ranks": 2}
     return {"parameters": first["parameters"], "global_batch_size": first["global_batch_size"],
             "steps_per_window": steps, "start_seconds": start_seconds,
             "seconds": time.monotonic() - started, "windows": windows, "agreement": agreement,
-            "variants": {label: {"description": spec[0], "ranks": spec[1]} for label, spec in variants.items()}}
+            "variants": described}
 
 
 # -- statistics --------------------------------------------------------------------------
@@ -246,12 +351,14 @@ def analyze(model, measured):
     step = {label: [w["median_step_seconds"] for w in windows] for label, windows in measured["windows"].items()}
     ratios = {}
     targets = {**RATIO_TARGETS[model], **{("c", label): AGAINST_TARGET for label in step if label.startswith("@")},
-               **{("c", label): None for label in step if label.startswith("no-")}}
+               **{("c", label): None for label in step if label.startswith("no-")},
+               ("timeline", "c"): TIMELINE_TARGET}
     for (numerator, denominator), target in targets.items():
-        if numerator not in step or denominator not in step:
+        summands = denominator.split("+")
+        if numerator not in step or any(label not in step for label in summands):
             continue
-        # Per round: the two windows ran moments apart, so the machine's drift cancels.
-        per_round = [n / d for n, d in zip(step[numerator], step[denominator])]
+        # Per round: the windows ran moments apart, so the machine's drift cancels.
+        per_round = [n / sum(d) for n, *d in zip(step[numerator], *(step[label] for label in summands))]
         spread = summarize(per_round)
         ratios[f"{numerator}/{denominator}"] = {
             **spread, "per_round": per_round, "target": target,
@@ -259,11 +366,11 @@ def analyze(model, measured):
     # Samples/s of (c) over (a) is the step time of (a) over (c).
     speed_up = summarize([a / c for a, c in zip(step["a"], step["c"])]) if "a" in step and "c" in step else None
     ranks = {label: spec["ranks"] for label, spec in measured.get("variants", {}).items()}
-    collectives = {label: statistics.median(w["collectives_per_step"] for w in measured["windows"][label])
-                   for label in measured["windows"] if ranks.get(label, VARIANTS.get(label, (0, 1))[1]) > 1
-                   and None not in [w["collectives_per_step"] for w in measured["windows"][label]]}
+    agreements = {label: statistics.median(w["agreements_per_step"] for w in measured["windows"][label])
+                  for label in measured["windows"] if ranks.get(label, VARIANTS.get(label, (0, 1))[1]) > 1
+                  and None not in [w.get("agreements_per_step") for w in measured["windows"][label]]}
     return {"step_seconds": {label: {**summarize(times), "per_round": times} for label, times in step.items()},
-            "ratios": ratios, "speed_up_c_over_a": speed_up, "collectives_per_step": collectives}
+            "ratios": ratios, "speed_up_c_over_a": speed_up, "agreements_per_step": agreements}
 
 
 # -- output ------------------------------------------------------------------------------
@@ -290,8 +397,9 @@ def print_report(results, repeats):
         print(f"{'':<26}global batch {batch}, {measured['steps_per_window']} timed step(s) per window")
         for name, ratio in analysis["ratios"].items():
             numerator, denominator = name.split("/", 1)
+            denominator = "+".join(f"({label})" for label in denominator.split("+"))
             quartiles = f"{ratio['q1']:.3f}-{ratio['q3']:.3f}"
-            print(f"{'':<26}{f'({numerator})/({denominator}) step time':<38}{ratio['median']:>9.3f}"
+            print(f"{'':<26}{f'({numerator})/{denominator} step time':<38}{ratio['median']:>9.3f}"
                   f"{quartiles:>12}  min-max {ratio['min']:.3f}-{ratio['max']:.3f}, "
                   + (f"target <= {ratio['target']:.2f}: " if ratio["target"] is not None else "") + ratio["verdict"])
         speed_up = analysis["speed_up_c_over_a"]
@@ -304,15 +412,15 @@ def print_report(results, repeats):
 
 def print_agreement(analysis, measured):
     agreement = measured["agreement"]
-    counts = analysis["collectives_per_step"]
-    line = f"{'':<26}tarantella collectives per step: " + ", ".join(f"({l}) {n:g}" for l, n in counts.items())
+    counts = analysis["agreements_per_step"]
+    line = f"{'':<26}tarantella agreements per step: " + ", ".join(f"({l}) {n:g}" for l, n in counts.items())
     if agreement["agreement_seconds"] is not None:
         costs = ", ".join(
             f"({label}) {count * agreement['agreement_seconds'] * 1e3:.2f} ms = "
             f"{count * agreement['agreement_seconds'] / analysis['step_seconds'][label]['median'] * 100:.1f}%"
             for label, count in counts.items())
-        line += (f".\n{'':<26}Each opens with a 16-byte agreement allreduce of "
-                 f"{agreement['agreement_seconds'] * 1e6:.0f} us (a whole synchronous 16-byte collective: "
+        line += (f".\n{'':<26}Each is a 24-byte allreduce of "
+                 f"{agreement['agreement_seconds'] * 1e6:.0f} us (a whole synchronous 24-byte collective: "
                  f"{agreement['collective_seconds'] * 1e6:.0f} us); agreeing per step: {costs} of the step")
     print(line)
 
@@ -394,6 +502,9 @@ def main():
                              "change to the step, the communicator or the launcher")
     parser.add_argument("--variants", metavar="LABELS",
                         help="time only these variants, e.g. c,@main (default: all of each model's)")
+    parser.add_argument("--horovod-venv", metavar="DIR", default=DEFAULT_HOROVOD_VENV,
+                        help="the environment benchmarks/make_horovod_venv.sh built, whose Python runs the "
+                             "horovod variant (default: .venv-horovod in the repository)")
     parser.add_argument("--compare", nargs=2, metavar="FILE.json",
                         help="measure nothing: check that two --json runs agree within 5%% on every ratio")
     args = parser.parse_args()
@@ -412,23 +523,23 @@ def main():
         except ImportError:
             parser.error("--plot needs matplotlib: pip install 'tarantella[plot]' (or pip install matplotlib).")
     warmup = QUICK["warmup"] if args.quick else WARMUP_STEPS
+    named = args.variants.split(",") if args.variants else None
+    horovod = horovod_variant(args.horovod_venv)
+    skipped = horovod_skipped(models, named, horovod, args.horovod_venv)
+    if skipped:
+        print(skipped, flush=True)
 
     started = time.monotonic()
     results = {}
     with tempfile.TemporaryDirectory(prefix="tnt-scaling-") as scratch:
         revisions = against_variants(args.against.split(","), scratch) if args.against else {}
         try:
-            for model in models:
-                ablations = [label for label in VARIANTS if label.startswith("no-")]
-                variants = {label: (*VARIANTS[label], None) for label in MODEL_VARIANTS[model] + ablations}
-                variants.update(revisions)
-                chosen = args.variants.split(",") if args.variants else \
-                    [label for label in variants if label not in ablations]
-                unknown = [label for label in chosen if label not in variants]
-                if unknown:
-                    parser.error(f"unknown variant(s) {', '.join(unknown)} for {model}; choose from "
-                                 f"{', '.join(variants)}")
-                variants = {label: spec for label, spec in variants.items() if label in chosen}
+            try:  # every model's, before any is measured
+                chosen = {model: select_variants(model, named, revisions, horovod, args.horovod_venv)
+                          for model in models}
+            except ValueError as error:
+                parser.error(str(error))
+            for model, variants in chosen.items():
                 steps = args.steps or (QUICK["steps"] if args.quick else STEPS_PER_WINDOW[model])
                 try:
                     measured = measure_model(model, variants, repeats, steps, warmup, scratch)

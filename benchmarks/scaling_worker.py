@@ -11,14 +11,20 @@ Variants:
   no-monitor    tarantella without the peer monitor's thread and second communicator
                 (ablation: what watching the other ranks costs)
   no-agreement-no-monitor  both ablations
+  timeline      tarantella recording its timeline (TNT_TIMELINE, written to the control folder)
+  horovod       Horovod 0.28.1 on Keras 2: the interpreter of the environment that
+                benchmarks/make_horovod_venv.sh builds runs this file (LeNet-5 and the MLP
+                only: the other models' definitions need Keras 3)
 
 The worker trains one model on random data in a single `fit`. After the untimed warm-up
 steps (tracing), and after every timed window, each rank stops between two steps and
 reads its next command from its own FIFO (`--control`/go-<rank>): a blocking read, so an
 idle worker takes no CPU from the variant being timed. Commands:
   window      one step that lets the ranks fall in step again, then --steps-per-window timed steps
-  agreement   times the 16-byte agreement allreduce that precedes every tarantella
-              collective, and a whole synchronous tarantella collective (2+ ranks only)
+  agreement   times the 24-byte agreement allreduce that opens every step and every
+              collective outside steps, and a whole synchronous tarantella collective (2+ ranks)
+  ring        times --steps-per-window bare ring allreduces (mpi4py) of the model's gradient
+              bytes over the same ranks: the physical limit of the step's gradient traffic
   end         leave the loop once every window has run
 The master rank answers each command with one JSON line on `--control`/results.
 """
@@ -113,7 +119,8 @@ def transformer(width=128, heads=4, hidden=256, blocks=2):
 MODELS = {"lenet5": (lenet5, 128), "mlp": (mlp, 128), "resnet50": (resnet50, 32), "transformer": (transformer, 64)}
 
 
-def random_dataset(model, global_batch_size):
+def random_data(model, global_batch_size):
+    """Samples and labels for BATCHES_OF_DATA global batches, the same in every variant."""
     rng = np.random.default_rng(SEED)
     samples = global_batch_size * BATCHES_OF_DATA
     if model.name == "transformer":
@@ -123,19 +130,30 @@ def random_dataset(model, global_batch_size):
     else:
         x = rng.random((samples,) + tuple(model.input_shape[1:]), dtype=np.float32)
     y = rng.integers(0, CLASSES, samples).astype(np.int32)
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch_size).repeat()
+    return x, y
+
+
+def rank_share(array, global_batch_size, rank, ranks):
+    """The rows of every global batch that `rank` trains on: a consecutive micro-batch
+    (tarantella takes every ranks-th row instead; on random data the time is the same)."""
+    if global_batch_size % ranks:
+        raise SystemExit(f"scaling_worker: a global batch of {global_batch_size} does not split into {ranks} ranks")
+    micro_batch_size = global_batch_size // ranks
+    batches = array.reshape((-1, global_batch_size) + array.shape[1:])
+    share = batches[:, rank * micro_batch_size:(rank + 1) * micro_batch_size]
+    return share.reshape((-1,) + array.shape[1:])
 
 
 class WindowedTimer(keras.callbacks.Callback):
     """Times each step; between windows, waits for the coordinator's next command."""
 
-    def __init__(self, args, communicator, is_master, ready_message):
+    def __init__(self, args, rank, is_master, communicator, ready_message):
         super().__init__()
         self._args = args
         self._ready_message = ready_message
-        self._comm = communicator
+        self._comm = communicator  # tarantella's; None for plain Keras and Horovod
         self._is_master = is_master
-        self._commands = open(os.path.join(args.control, f"go-{0 if communicator is None else communicator.rank}"))
+        self._commands = open(os.path.join(args.control, f"go-{rank}"))
         self._results = open(os.path.join(args.control, "results"), "w") if is_master else None
         self._window_ends = {args.warmup_steps + (w + 1) * (1 + args.steps_per_window) - 1
                              for w in range(args.windows)}
@@ -143,7 +161,7 @@ class WindowedTimer(keras.callbacks.Callback):
         self._resync_steps = {end + 1 for end in self._window_ends}
         self._step_seconds = []
         self._step = 0
-        self._entered_at_start = None
+        self._agreed_at_start = None
 
     def on_train_batch_begin(self, batch, logs=None):
         self._started = time.perf_counter()
@@ -154,7 +172,7 @@ class WindowedTimer(keras.callbacks.Callback):
         # A window's first step is untimed: the ranks leave their wait at different moments.
         if step in self._resync_steps:
             self._step_seconds.clear()
-            self._entered_at_start = getattr(self._comm, "entered", None)  # None: no count (an old revision)
+            self._agreed_at_start = _agreements(self._comm)
         if step not in self._window_ends:
             return
         if step == self._args.warmup_steps - 1:
@@ -166,11 +184,11 @@ class WindowedTimer(keras.callbacks.Callback):
 
     def _report_window(self):
         seconds = self._step_seconds
-        collectives = None
-        if self._entered_at_start is not None:
-            collectives = (self._comm.entered - self._entered_at_start) / len(seconds)
+        agreements = None
+        if self._agreed_at_start is not None:
+            agreements = (_agreements(self._comm) - self._agreed_at_start) / len(seconds)
         self._reply({"median_step_seconds": statistics.median(seconds), "mean_step_seconds": statistics.fmean(seconds),
-                     "collectives_per_step": collectives})
+                     "agreements_per_step": agreements})
 
     def _obey_commands(self, until):
         while True:
@@ -179,8 +197,10 @@ class WindowedTimer(keras.callbacks.Callback):
                 return
             if command == "agreement":
                 self._reply(measure_agreement(self._comm))
+            elif command == "ring":
+                self._reply({"median_step_seconds": measure_bare_ring(self.model, self._args.steps_per_window)})
             else:
-                raise SystemExit(f"scaling_worker: expected '{until}' or 'agreement', got {command!r}")
+                raise SystemExit(f"scaling_worker: expected '{until}', 'agreement' or 'ring', got {command!r}")
 
     def _reply(self, message):
         if self._is_master:
@@ -188,9 +208,15 @@ class WindowedTimer(keras.callbacks.Callback):
             self._results.flush()
 
 
+def _agreements(communicator):
+    """Agreement allreduces so far; None where the revision counts none. Revisions before
+    `agreements` existed opened every collective they `entered` with one."""
+    return getattr(communicator, "agreements", getattr(communicator, "entered", None))
+
+
 def measure_agreement(communicator):
-    """Median seconds of the agreement's 16-byte allreduce alone, and of a whole synchronous
-    tarantella collective of 16 bytes (worker-thread hand-off, agreement and allreduce).
+    """Median seconds of the agreement's 24-byte allreduce alone, and of a whole synchronous
+    tarantella collective of 24 bytes (worker-thread hand-off, agreement and allreduce).
 
     The two alternate, so that both see the same load; the first calls, which absorb the
     ranks' different wake-up times, are not counted."""
@@ -198,13 +224,13 @@ def measure_agreement(communicator):
         return {"agreement_seconds": None, "collective_seconds": None}
     from mpi4py import MPI
     world = MPI.COMM_WORLD.Dup()
-    codes = np.zeros(2, np.int64)
+    codes = np.zeros(3, np.int64)
     raw, whole = [], []
     for call in range(AGREEMENT_WARMUP_CALLS + AGREEMENT_CALLS):
         started = time.perf_counter()
-        world.Allreduce(MPI.IN_PLACE, codes, op=MPI.MAX)
+        world.Allreduce(MPI.IN_PLACE, codes, op=MPI.SUM)
         between = time.perf_counter()
-        communicator.allreduce_sum(codes, "the benchmark's 16-byte allreduce")
+        communicator.allreduce_sum(codes, "the benchmark's 24-byte allreduce")
         if call >= AGREEMENT_WARMUP_CALLS:
             raw.append(between - started)
             whole.append(time.perf_counter() - between)
@@ -212,11 +238,42 @@ def measure_agreement(communicator):
     return {"agreement_seconds": statistics.median(raw), "collective_seconds": statistics.median(whole)}
 
 
+def measure_bare_ring(model, calls):
+    """Median seconds of a ring allreduce of the model's gradient bytes (float32) over COMM_WORLD, in
+    mpi4py alone: reduce-scatter then allgather over Sendrecv with numpy adding, as tarantella's ring;
+    below 1 MiB MPI's Allreduce, as tarantella. The first call is not counted."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD.Dup()
+    rank, size = world.Get_rank(), world.Get_size()
+    values = np.ones(sum(int(np.prod(v.shape)) for v in model.trainable_variables), np.float32)
+    chunks = np.array_split(values, size)
+    incoming = np.empty_like(chunks[0])
+    right, left = (rank + 1) % size, (rank - 1) % size
+    seconds = []
+    for _ in range(calls + 1):
+        world.Barrier()
+        started = time.perf_counter()
+        if values.nbytes < 1 << 20:
+            world.Allreduce(MPI.IN_PLACE, values, op=MPI.SUM)
+        else:
+            for step in range(size - 1):
+                arriving = chunks[(rank - step - 1) % size]
+                world.Sendrecv(chunks[(rank - step) % size], dest=right, recvbuf=incoming[:arriving.size], source=left)
+                np.add(arriving, incoming[:arriving.size], out=arriving)
+            for step in range(size - 1):
+                world.Sendrecv(chunks[(rank + 1 - step) % size], dest=right, recvbuf=chunks[(rank - step) % size],
+                               source=left)
+        seconds.append(time.perf_counter() - started)
+    world.Free()
+    return statistics.median(seconds[1:])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--model", choices=MODELS, required=True)
     parser.add_argument("--variant", required=True, choices=[
-        "keras", "tarantella", "no-allreduce", "sync-bn", "no-agreement", "no-monitor", "no-agreement-no-monitor"])
+        "keras", "tarantella", "no-allreduce", "sync-bn", "no-agreement", "no-monitor", "no-agreement-no-monitor",
+        "timeline", "horovod"])
     parser.add_argument("--windows", type=int, required=True, help="timed windows")
     parser.add_argument("--steps-per-window", type=int, required=True, help="timed steps per window")
     parser.add_argument("--warmup-steps", type=int, default=3, help="untimed first steps (tracing)")
@@ -225,40 +282,73 @@ def main():
     if min(args.windows, args.steps_per_window, args.warmup_steps) < 1:
         parser.error("--windows, --steps-per-window and --warmup-steps must be at least 1")
 
-    communicator, is_master = None, True
-    if args.variant != "keras":
+    rank, ranks, is_master = 0, 1, True  # plain Keras: one process
+    communicator, tarantella_folder, callbacks, ready = None, None, [], {}
+    if args.variant == "horovod":
+        import horovod.tensorflow
+        import horovod.tensorflow.keras as hvd
+        hvd.init()
+        rank, ranks, is_master = hvd.rank(), hvd.size(), hvd.rank() == 0
+        # Each rank its share of the node's cores, as tarantella gives its ranks (Horovod leaves
+        # TensorFlow's defaults, every rank a thread per core).
+        threads = max(1, len(os.sched_getaffinity(0)) // hvd.local_size())
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+        # The coordinator stops these processes between windows (see scaling.py).
+        ready["rank_pids"] = horovod.tensorflow.allgather_object(os.getpid())
+        # Every rank starts from rank 0's weights, as tnt.Model sees to.
+        callbacks.append(hvd.callbacks.BroadcastGlobalVariablesCallback(0))
+    elif args.variant != "keras":
+        if args.variant == "timeline":
+            os.environ["TNT_TIMELINE"] = os.path.join(args.control, "timeline.json")
         import tarantella as tnt
         from tarantella import communication
         if args.variant == "no-allreduce":
             # Each rank applies its own gradients: the same compute, no gradient traffic.
             from tarantella import gradients
-            gradients.GradientAllreduce.__call__ = lambda self, grads, variables=None: list(grads)
+
+            def keep_own_gradients(self, rank_gradients, *_, **__):  # what else the step passes varies by revision
+                return list(rank_gradients)
+            gradients.GradientAllreduce.__call__ = keep_own_gradients
         if "no-agreement" in args.variant:
-            def enter_without_agreement(self, what, agree_on):
+            def enter_without_agreement(self, what, agree_on, carried=0):
                 self.current = what
                 self.entered += 1
+                return carried
+
+            def open_step_without_agreement(self, what, sequence, samples):
+                """The step's opening still sums the micro-batch sizes, in a collective of its own."""
+                return int(self.allreduce_sum(np.array([samples], np.int64), what, agreed=True)[0])
             communication.Communicator.enter = enter_without_agreement
+            communication.Communicator.open_step = open_step_without_agreement
         if "no-monitor" in args.variant:
             communication._PeerMonitor = lambda side_comm, communicator: None
         communicator = communication.init()
-        is_master = tnt.is_master_rank()
+        rank, ranks, is_master = communicator.rank, communicator.size, tnt.is_master_rank()
+        tarantella_folder = os.path.dirname(os.path.dirname(tnt.__file__))
 
     keras.utils.set_random_seed(SEED)
     build, global_batch_size = MODELS[args.model]
     model = build()
     parameters = model.count_params()
-    dataset = random_dataset(model, global_batch_size)
-    if args.variant != "keras":
+    samples, labels = random_data(model, global_batch_size)
+    batch_size = global_batch_size
+    optimizer = keras.optimizers.SGD(0.01)
+    if args.variant == "horovod":
+        # Horovod leaves the data to the program: each rank feeds its share of every global batch.
+        samples, labels = (rank_share(array, global_batch_size, rank, ranks) for array in (samples, labels))
+        batch_size = global_batch_size // ranks
+        optimizer = hvd.DistributedOptimizer(optimizer)
+    elif args.variant != "keras":
         # Only where asked: older revisions (--against) have no such argument.
         model = tnt.Model(model, **({"synchronized_batch_normalization": True} if args.variant == "sync-bn" else {}))
+    dataset = tf.data.Dataset.from_tensor_slices((samples, labels)).batch(batch_size).repeat()
     # Multi-rank tarantella steps never use XLA; keep every variant on the same kind of step.
-    model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"],
-                  jit_compile=False)
-    imported_from = os.path.dirname(os.path.dirname(tnt.__file__)) if args.variant != "keras" else None
-    timer = WindowedTimer(args, communicator, is_master,
-                          {"parameters": parameters, "global_batch_size": global_batch_size,
-                           "tarantella_folder": imported_from})
-    model.fit(dataset, epochs=1, verbose=0, shuffle=False, callbacks=[timer],
+    model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"], jit_compile=False)
+    ready.update(parameters=parameters, global_batch_size=global_batch_size, ranks=ranks,
+                 tarantella_folder=tarantella_folder)
+    callbacks.append(WindowedTimer(args, rank, is_master, communicator, ready))
+    model.fit(dataset, epochs=1, verbose=0, shuffle=False, callbacks=callbacks,
               steps_per_epoch=args.warmup_steps + args.windows * (1 + args.steps_per_window))
 
 

@@ -13,12 +13,12 @@ __version__ = "0.10.0"
 
 
 def _started_as_launcher():
-    """True in the `tarantella` command itself, which starts ranks but is not one."""
-    if os.path.basename(sys.argv[0] if sys.argv else "") == "tarantella":
+    """True in the `tarantella` and `tarantella-timeline` commands, which are no ranks."""
+    if os.path.basename(sys.argv[0] if sys.argv else "") in ("tarantella", "tarantella-timeline"):
         return True
     argv = getattr(sys, "orig_argv", [])
     return "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] in (
-        ["tarantella"], ["tarantella.launcher"])
+        ["tarantella"], ["tarantella.launcher"], ["tarantella.timeline_picture"])
 
 
 if not _started_as_launcher():

@@ -6,13 +6,16 @@ gradient round, and a rank waits for it at most TNT_COLLECTIVE_TIMEOUT seconds. 
 `tf.function` the job runs from a stateful `tf.numpy_function`; TensorFlow runs such ops
 in program order, so every rank issues them in the order the code calls them.
 
-Every call starts by gathering, from every rank, which collective it is and the dtype and
+Every call starts by comparing, across the ranks, which collective it is and the dtype and
 shape of each value. Ranks that disagree (shapes, dtypes, roots, structure, or a different
 collective) all raise the same ValueError, before any data moves: no rank truncates a
-message or waits for a partner that will never come.
+message or waits for a partner that will never come. An allgather gathers these layouts (it
+needs every rank's row count); the other collectives compare a 63-bit hash of them in one
+16-byte allreduce and gather the layouts only when the hashes differ, to name the mismatch.
 """
 
 import enum
+import hashlib
 
 import keras
 import numpy as np
@@ -188,8 +191,11 @@ def _collective(name, values, leaves, operation, output_shape, detail, rows_may_
         layout = (name, detail, [(i, str(a.dtype), a.shape) for i, a in zip(present, arrays)])
 
         def run(mpi_comm):
-            layouts = mpi_comm.allgather(layout)
-            _check_same_layout(name, layouts, rows_may_differ)
+            if rows_may_differ or not _same_everywhere(mpi_comm, layout):
+                layouts = mpi_comm.allgather(layout)
+                _check_same_layout(name, layouts, rows_may_differ)
+            else:
+                layouts = None  # only allgather reads them
             return operation(mpi_comm, arrays, layouts)
 
         # The ranks agree on "a public collective"; which one, its arguments and shapes are compared
@@ -234,6 +240,16 @@ class _DTypeOf:
         self.value = value.value if isinstance(value, keras.Variable) else value
         self.dtype = tf.as_dtype(self.value.dtype)
         self.shape = self.value.shape
+
+
+def _same_everywhere(mpi_comm, layout):
+    """Whether every rank passed this layout: the maximum of a hash and of its negation over the
+    ranks are one value only if every rank's hash is that value."""
+    MPI = communication.mpi()
+    digest = int.from_bytes(hashlib.blake2b(repr(layout).encode(), digest_size=8).digest(), "little") >> 1
+    extremes = np.array([digest, -digest], np.int64)
+    mpi_comm.Allreduce(MPI.IN_PLACE, extremes, op=MPI.MAX)
+    return extremes[0] == -extremes[1]
 
 
 def _check_same_layout(name, layouts, rows_may_differ):

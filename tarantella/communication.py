@@ -8,12 +8,15 @@ calls in program order, the gradient buckets of a step in the order of a static 
 (while backprop goes on). So collectives on the communicator never race, whatever order
 TensorFlow runs its ops in.
 
-Before each collective the ranks agree on it (a 16-byte allreduce of a code of the
+Before each collective the ranks agree on it (a 24-byte allreduce of a code of the
 operation), so ranks that enter different collectives get an error naming both, never a
-mismatched buffer in MPI. The caller waits in short slices and meanwhile watches the other
-ranks through a second communicator, served by a monitor thread on every rank: it learns
-at once that a rank it waits for has finished the program, asks the missing ranks what
-they are doing for the stall warning and the timeout, and gives up without waiting for MPI.
+mismatched buffer in MPI. A training or test step agrees once, on its whole sequence of
+collectives, in the message that also sums the ranks' micro-batch sizes.
+
+The caller waits in short slices and meanwhile watches the other ranks through a second
+communicator, served by a monitor thread on every rank: it learns at once that a rank it
+waits for has finished the program, asks the missing ranks what they are doing for the
+stall warning and the timeout, and gives up without waiting for MPI.
 """
 
 import atexit
@@ -28,7 +31,7 @@ import zlib
 
 import numpy as np
 
-from tarantella import config
+from tarantella import config, timeline
 
 logger = logging.getLogger("tarantella")
 
@@ -146,10 +149,13 @@ class Communicator:
         # What this rank does, for the other ranks' questions: collectives entered, the one it
         # waits in (None between collectives) and the one before.
         self.entered = 0
+        self.agreements = 0  # of the collectives entered, those that opened with an agreement
         self.current = None
         self.last = None
         self._broken = None  # the error after which this communicator cannot be used
         self.peers = _PeerMonitor(side_comm, self) if side_comm is not None and self.size > 1 else None
+        # Agreement codes stay below this, so that size * code^2 fits in an int64.
+        self._code_limit = 2 ** ((62 - self.size.bit_length()) // 2)
 
     # -- the worker -------------------------------------------------------------
 
@@ -157,26 +163,43 @@ class Communicator:
         while True:
             self._jobs.get()()
 
-    def run(self, what, operation, agree_on=None):
+    def run(self, what, operation, agree_on=None, agreed=False):
         """Runs `operation(mpi_comm)` on the worker, after any gradient round; bounded wait.
 
-        First the ranks agree that they all run `agree_on` (default: `what`)."""
+        First the ranks agree that they all run `agree_on` (default: `what`), unless `agreed`:
+        the opening of the step this collective belongs to covered it."""
+        agree_on = None if agreed else (what if agree_on is None else agree_on)
+
+        def body():
+            self.enter(what, agree_on)
+            return operation(self._mpi)
+
+        return self._on_worker(what, body)
+
+    def open_step(self, what, sequence, samples):
+        """Agrees on a step's `sequence` of collectives and returns the sum of `samples` over ranks."""
+        return self._on_worker(what, lambda: self.enter(what, sequence, carried=samples))
+
+    def _on_worker(self, what, body):
         self._refuse_if_broken(what)
         outcome = {}
         done = threading.Event()
+        recorder = timeline.recorder
 
         def job():
             try:
-                self.enter(what, what if agree_on is None else agree_on)
-                outcome["value"] = operation(self._mpi)
+                outcome["value"] = body() if recorder is None else recorder.run_collective(what, body)
             except BaseException as error:
                 outcome["error"] = error
             finally:
                 self.leave()
                 done.set()
 
+        called = recorder and recorder.now()
         self._jobs.put(job)
         self._wait(done.wait, what)
+        if recorder is not None:
+            recorder.caller_waited(what, called)
         if "error" in outcome:
             raise _remember(outcome["error"])
         return outcome.get("value")
@@ -213,19 +236,29 @@ class Communicator:
 
     # -- the agreement before each collective (runs on the worker) ------------------------
 
-    def enter(self, what, agree_on):
-        """Waits until every rank enters a collective; raises if they entered different ones."""
+    def enter(self, what, agree_on, carried=0):
+        """Waits until every rank enters a collective; raises if they entered different ones.
+
+        Returns the sum over ranks of the integer `carried`, which rides in the same message.
+        With `agree_on` None it only notes the collective: a step's opening agreed on it."""
         self.current = what
         self.entered += 1
-        if self.size == 1:
-            return
+        if self.size == 1 or agree_on is None:
+            return carried
+        self.agreements += 1
         MPI = mpi()
-        code = zlib.crc32(agree_on.encode()) + 1
-        codes = np.array([code, -code], np.int64)  # max of both: equal everywhere iff all agree
-        self._mpi.Allreduce(MPI.IN_PLACE, codes, op=MPI.MAX)
-        if codes[0] != code or codes[1] != -code:
-            everyone = self._mpi.allgather(_with_call(what))
-            listing = "; ".join(f"rank {rank}: {doing}" for rank, doing in enumerate(everyone))
+        code = zlib.crc32(agree_on.encode()) % self._code_limit + 1
+        # Every collective opens with this one message, so ranks in different collectives still
+        # meet. The sums of code and code^2 are size*code and size*code^2 only if every rank sent
+        # this code (their variance is then zero); exact in int64 for codes below _code_limit.
+        message = np.array([code, code * code, carried], np.int64)
+        self._mpi.Allreduce(MPI.IN_PLACE, message, op=MPI.SUM)
+        if message[0] != self.size * code or message[1] != self.size * code * code:
+            everyone = self._mpi.allgather((_with_call(what), agree_on))
+            listing = "; ".join(f"rank {rank}: {doing}" for rank, (doing, _) in enumerate(everyone))
+            if len({doing for doing, _ in everyone}) == 1:  # the same step, with different collectives
+                listing += " (" + "; ".join(f"rank {rank}: {sequence}" for rank, (_, sequence) in
+                                            enumerate(everyone)) + ")"
             error = CollectiveMismatchError(
                 f"rank {self.rank}: the ranks entered different collectives (collective #{self.entered}): "
                 f"{listing}. Every rank must call fit, evaluate, predict and save alike, in the same "
@@ -233,6 +266,7 @@ class Communicator:
                 summary=f"the ranks entered different collectives: {listing}")
             self._broken = error.summary
             raise error
+        return int(message[2])
 
     def leave(self):
         if self.current is not None:
@@ -283,11 +317,11 @@ class Communicator:
 
     # -- synchronous collectives --------------------------------------------------
 
-    def allreduce_sum(self, array, what):
+    def allreduce_sum(self, array, what, agreed=False):
         MPI = mpi()
         result = np.array(array, copy=True, order="C")
         self.run(what, lambda comm: comm.Allreduce(MPI.IN_PLACE, result, op=MPI.SUM),
-                 agree_on=f"{what} of {result.dtype}[{result.size}]")
+                 agree_on=f"{what} of {result.dtype}[{result.size}]", agreed=agreed)
         return result
 
     def allgather(self, obj, what, agree_on=None):
@@ -324,25 +358,31 @@ class Communicator:
 
     # -- gradient buckets (called from TensorFlow ops) ---------------------------
 
-    def submit_bucket(self, index, count, array):
+    def submit_bucket(self, index, count, array, agreed=False):
         """Hands over bucket `index` of `count`; returns at once.
 
         An array is summed over ranks in place; a tuple (indices, values) of a sparse
-        gradient is replaced by the concatenation of every rank's, in rank order."""
+        gradient is replaced by the concatenation of every rank's, in rank order. With
+        `agreed`, the opening of the step agreed on this round."""
         self._refuse_if_broken("the gradient allreduce")
         with self._round_lock:
             if self._round is None:
                 self._round = _BucketRound(count)
                 step_round = self._round
                 what = f"the gradient allreduce of step {self._steps_reduced + 1}"
-                begin = lambda: self.enter(what, f"the gradient allreduce of {count} buckets")
+                agree_on = None if agreed else f"the gradient allreduce of {count} buckets"
+                begin = lambda: self.enter(what, agree_on)
                 self._jobs.put(lambda: self._reduce_round(step_round, begin))
             step_round = self._round
+        if timeline.recorder is not None:
+            timeline.recorder.handed_over(index)
         step_round.deposit(index, array)
 
     def _reduce_round(self, step_round, begin):
+        recorder = timeline.recorder
+        reduce = self._reduce_bucket if recorder is None else recorder.timed_buckets(self._reduce_bucket)
         try:
-            step_round.reduce_in_plan_order(begin, self._reduce_bucket)
+            step_round.reduce_in_plan_order(begin, reduce)
         finally:
             self.leave()
 
@@ -406,10 +446,13 @@ class Communicator:
         """Waits until every bucket of this step is reduced; returns them in plan order."""
         with self._round_lock:
             step_round, self._round = self._round, None
+        called = timeline.recorder and timeline.recorder.now()
         try:
             self._wait(step_round.wait, f"the gradient allreduce of step {self._steps_reduced + 1}")
         except BaseException as error:
             raise _remember(error)
+        if timeline.recorder is not None:
+            timeline.recorder.caller_waited("the gradient allreduce", called)
         self._steps_reduced += 1
         return step_round.arrays
 
@@ -601,6 +644,21 @@ def _started_by_an_mpi_launcher():
                                                                          int(slurm_tasks) > 1)
 
 
+def _check_srun_reached_mpi(size):
+    """srun started several tasks but MPI sees one: srun's PMI plug-in (--mpi) does not suit this MPI
+    library, which then makes every task a job of its own. Each would train alone, all as the
+    master, writing the same files."""
+    tasks = os.environ.get("PMI_SIZE") or os.environ.get("SLURM_STEP_NUM_TASKS", "")
+    if size != 1 or "SLURM_STEP_NUM_TASKS" not in os.environ or not tasks.isdigit() or int(tasks) < 2:
+        return
+    chosen = os.environ.get("SLURM_MPI_TYPE", "none")
+    raise RuntimeError(
+        f"srun started {tasks} tasks, but MPI made each of them a job of its own (size 1): srun's PMI plug-in "
+        f"({chosen}) does not suit this MPI library. Start the ranks with `srun --mpi=pmi2` (MPICH, Intel MPI) "
+        "or `srun --mpi=pmix` (Open MPI); `srun --mpi=list` shows what the cluster offers. Or run the "
+        "`tarantella` command inside the allocation, which chooses for you.")
+
+
 class _SerialComm:
     """A communicator of one process, for a serial run without MPI: every collective's result
     is this process's own contribution."""
@@ -676,6 +734,7 @@ def init():
         MPI = _SerialMPI
     _MPI = MPI
     world = MPI.COMM_WORLD
+    _check_srun_reached_mpi(world.Get_size())
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     local_rank, local_size = node.Get_rank(), node.Get_size()
     node.Free()
@@ -699,6 +758,8 @@ def init():
         rank_entry.watch_parent()  # started already where the `tarantella` command runs the rank
         if rank_entry.reports_to_the_command():
             _report_the_programs_mpi_aborts(MPI)
+    if config.timeline_path() is not None:
+        timeline.start(_world, config.timeline_path())
     return _world
 
 

@@ -112,6 +112,46 @@ def tensorflow_startup_logs():
     return _flag("TNT_TENSORFLOW_STARTUP_LOGS")
 
 
+def timeline_path():
+    """The trace file the master writes (`tarantella --timeline FILE`); None: no timeline."""
+    path = os.environ.get("TNT_TIMELINE", "").strip()
+    if not path:
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"TNT_TIMELINE={path!r}: the folder {folder} does not exist; create it or name a "
+                         "file in an existing folder.")
+    return path
+
+
+def backup_dir():
+    """Where `fit` backs up by itself (set by `tarantella --max-restarts`); None: no automatic backups."""
+    value = os.environ.get("TNT_BACKUP_DIR", "").strip()
+    return os.path.abspath(value) if value else None
+
+
+def backup_every_steps():
+    """With automatic backups, also back up after every this many steps; None: at epoch ends only."""
+    raw = os.environ.get("TNT_BACKUP_EVERY_STEPS", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"TNT_BACKUP_EVERY_STEPS={raw!r} must be a whole number of steps >= 1, e.g. "
+                         "TNT_BACKUP_EVERY_STEPS=100 (or unset it: backups at every epoch's end only).")
+    return int(raw)
+
+
+def restart_attempt():
+    """Which attempt of the job this is: 0 for the first, k for the k-th restart (set by the command)."""
+    raw = os.environ.get("TNT_RESTART_ATTEMPT", "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit():
+        raise ValueError(f"TNT_RESTART_ATTEMPT={raw!r} must be a whole number >= 0; the tarantella command "
+                         "sets it when it restarts a job, so leave it unset.")
+    return int(raw)
+
+
 # Every setting a user may give, with the function that reads (and checks) it; None: read elsewhere.
 _SETTINGS = {
     "TNT_FUSION_THRESHOLD": fusion_threshold_bytes, "TNT_COLLECTIVE_TIMEOUT": collective_timeout_s,
@@ -119,7 +159,9 @@ _SETTINGS = {
     "TNT_OUTPUT_ON_ALL_DEVICES": output_on_all_devices, "TNT_TENSORBOARD_ON_ALL_DEVICES": tensorboard_on_all_devices,
     "TNT_LOG_ON_ALL_DEVICES": log_on_all_devices, "TNT_USE_GPU": use_gpu, "TNT_ANNOUNCE_RANKS": announce_ranks,
     "TNT_LOG_LEVEL": log_level, "TNT_STALL_WARNING": stall_warning_s, "TNT_START_TIMEOUT": start_timeout_s,
-    "TNT_TENSORFLOW_STARTUP_LOGS": tensorflow_startup_logs, "TNT_MPIEXEC": None,
+    "TNT_TENSORFLOW_STARTUP_LOGS": tensorflow_startup_logs, "TNT_TIMELINE": timeline_path, "TNT_MPIEXEC": None,
+    "TNT_BACKUP_DIR": backup_dir, "TNT_BACKUP_EVERY_STEPS": backup_every_steps,
+    "TNT_RESTART_ATTEMPT": restart_attempt,
 }
 
 

@@ -22,9 +22,11 @@ step is traced, it makes four things global:
    number the step returns becomes its share-weighted sum over ranks.
 
 Every collective of a step is a stateful op, so TensorFlow runs them in program order,
-the same on every rank. A rank without samples (a global batch smaller than the number
-of ranks) runs the step on one zero row, because TensorFlow cannot run every layer on
-zero rows, and contributes nothing.
+the same on every rank. The allreduce of sizes that opens the step also carries the ranks'
+agreement on the step's whole sequence of collectives, which then need none of their own.
+A rank without samples (a global batch smaller than the number of ranks) runs the step on
+one zero row, because TensorFlow cannot run every layer on zero rows, and contributes
+nothing.
 """
 
 import contextlib
@@ -53,14 +55,16 @@ class DistributedStep:
         # (metric variable, rank-local copy) pairs, kept only while a callback asks for the
         # rank's own values (tnt.keras.callbacks.Callback(aggregate_logs=False)).
         self.local_metric_state = None
+        # While a step is traced: descriptions of its collectives, which its opening agrees on.
+        self._sequence = None
 
     def train(self, data):
         keras_own_step = type(self._model).train_step is keras.Model.train_step
-        return self._run(self._model.train_step, data,
+        return self._run("training", self._model.train_step, data,
                          loss_optimizer=getattr(self._model, "optimizer", None) if keras_own_step else None)
 
     def test(self, data):
-        return self._run(self._model.test_step, data)
+        return self._run("test", self._model.test_step, data)
 
     def predict(self, data):
         """Every rank gets every prediction, in the order of the global batch."""
@@ -85,13 +89,25 @@ class DistributedStep:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def _run(self, step_function, data, loss_optimizer=None):
+    def _run(self, kind, step_function, data, loss_optimizer=None):
         """`loss_optimizer`: the optimizer whose `scale_loss` the step differentiates (Keras' own
         train_step), or None."""
         data, samples = _at_least_one_row(data)
         has_samples = samples > 0
+        sequence = self._sequence = [f"a {kind} step"]
+        try:
+            return self._traced_step(sequence, step_function, data, samples, has_samples, loss_optimizer)
+        finally:
+            self._sequence = None
+
+    def _traced_step(self, sequence, step_function, data, samples, has_samples, loss_optimizer):
+        # The list is complete once the step is traced, before the opening first runs.
+        opening = functools.partial(self._open_step, f"the allreduce of micro-batch sizes of {sequence[0]}",
+                                    sequence)
+        global_samples = tf.cast(tf.numpy_function(opening, [tf.cast(samples, tf.int64)], tf.int64, stateful=True,
+                                                   name="tnt_open_step"), tf.float64)
+        global_samples.set_shape([])
         samples = tf.cast(samples, tf.float64)
-        global_samples = self._allreduce(tf.reshape(samples, [1]), "the allreduce of micro-batch sizes")[0]
         step = _StepState(samples, global_samples, has_samples, self, loss_optimizer)
 
         metrics = _unique(self._model.metrics)
@@ -140,9 +156,16 @@ class DistributedStep:
             if shadow is not None:
                 shadow.assign_add(tf.where(has_samples, increment, tf.zeros_like(increment)))
 
+    def _open_step(self, what, sequence, samples):
+        return np.int64(self._comm.open_step(what, "; ".join(sequence), int(samples)))
+
     def _allreduce(self, vector, what):
-        summed = tf.numpy_function(functools.partial(self._comm.allreduce_sum, what=what), [vector], tf.float64,
-                                   stateful=True, name="tnt_allreduce")
+        """The sum of a float64 vector over ranks; inside a traced step, part of its sequence."""
+        agreed = self._sequence is not None
+        if agreed:
+            self._sequence.append(f"{what} of float64{vector.shape}")
+        summed = tf.numpy_function(functools.partial(self._comm.allreduce_sum, what=what, agreed=agreed),
+                                   [vector], tf.float64, stateful=True, name="tnt_allreduce")
         summed.set_shape(vector.shape)
         return summed
 
@@ -152,7 +175,7 @@ class DistributedStep:
     def reduce_gradients(self, grads, variables, contributes=None):
         """The sum over ranks of each rank's share-weighted gradients (None stays None); a rank
         whose `contributes` is False adds zeros."""
-        return self._gradient_allreduce(grads, variables, contributes=contributes)
+        return self._gradient_allreduce(grads, variables, contributes=contributes, step_sequence=self._sequence)
 
 
 class _StepState:

@@ -54,8 +54,11 @@ class GradientAllreduce:
         self._comm = communicator
         self._threshold_bytes = threshold_bytes
 
-    def __call__(self, gradients, variables=None, contributes=None):
+    def __call__(self, gradients, variables=None, contributes=None, step_sequence=None):
         """Sums `gradients` over ranks; None entries stay None.
+
+        `step_sequence` (a list, optional): the collectives of the step being traced, whose opening
+        agrees on all of them; this round adds itself there and needs no agreement of its own.
 
         `contributes` (a boolean scalar tensor, optional): where False, this rank adds zeros
         instead of its gradients (a rank without samples, whose gradients may hold NaN). They
@@ -84,9 +87,15 @@ class GradientAllreduce:
             return list(gradients)
 
         contributes = tf.constant(True) if contributes is None else contributes
+        agreed = step_sequence is not None
+        if agreed:
+            step_sequence.append("a gradient allreduce of buckets " + ", ".join(
+                "sparse" if members[0] in sparse else
+                f"{dense[members[0]].dtype.name}[{sum(int(np.prod(variables[i].shape)) for i in members)}]"
+                for members in items))
         handed_over, result_dtypes = [], []
         for index, members in enumerate(items):
-            submit = functools.partial(self._submit, index, len(items))
+            submit = functools.partial(self._submit, index, len(items), agreed)
             with tf.control_dependencies(handed_over[-1:]):
                 inputs = self._bucket_inputs(members, gradients, dense, sparse)
             result_dtypes += [tensor.dtype for tensor in inputs]
@@ -134,7 +143,7 @@ class GradientAllreduce:
     def _to_wire(gradient):
         return gradient if gradient.dtype in _WIRE_DTYPES else tf.cast(gradient, tf.float32)
 
-    def _submit(self, index, count, contributes, *arrays):
+    def _submit(self, index, count, agreed, contributes, *arrays):
         if not contributes:
             if len(arrays) == 1:  # a dense bucket: its own buffer (see _bucket_inputs), summed in place
                 arrays[0].fill(0)
@@ -142,7 +151,7 @@ class GradientAllreduce:
                 # array, as TensorFlow may share the values' buffer
                 arrays = (arrays[0], np.zeros_like(arrays[1]))
         payload = arrays[0] if len(arrays) == 1 else tuple(arrays)
-        self._comm.submit_bucket(index, count, payload)
+        self._comm.submit_bucket(index, count, payload, agreed)
         return np.int64(index)
 
     def _collect(self, *handed_over):

@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tarantella import __version__, config
+from tarantella import __version__, config, restarts
 from tarantella.rank_entry import (FAILED, FINISHED, OWN_FAILURE, RANK_ANNOUNCEMENT, REPORT_KEY_OPTION, STARTED,
                                    UNKNOWN_CULPRIT)
 
@@ -79,6 +79,8 @@ def main(argv=None):
     if argv[:1] == [_STOP_HERE]:
         return _stop_processes_here(argv[1], argv[2])
     options, program = _parse(argv)
+    if restarts.supervises(options):
+        return restarts.main(argv, options)
     try:
         try:
             setting_warnings = config.check_environment()
@@ -142,6 +144,9 @@ def _parse(argv):
                                                   "order kept")
     parser.add_argument("--fusion-threshold", type=_kilobytes, metavar="KB",
                         help="smallest fused gradient allreduce in kilobytes (default 32; 0 = no fusion)")
+    parser.add_argument("--timeline", metavar="FILE",
+                        help="write a trace of every rank's steps and collectives to FILE (Chrome trace-event "
+                             "JSON: Perfetto, chrome://tracing), and print a step report per rank after fit")
     parser.add_argument("--output-on-all-devices", action="store_true",
                         help="show Keras output (progress bars, callback messages) of every rank, "
                              "not only the master's")
@@ -165,6 +170,7 @@ def _parse(argv):
     parser.add_argument("--dry-run", action="store_true",
                         help="print the command and environment that would run, and exit")
     parser.add_argument("--version", action="version", version=f"tarantella {__version__}")
+    restarts.add_options(parser)
     options, unknown = parser.parse_known_args(own)
     if unknown:
         if "--" not in argv and not unknown[0].startswith("-"):
@@ -178,6 +184,7 @@ def _parse(argv):
         parser.error("--force only goes with --cleanup, e.g. tarantella --cleanup --force -- train.py")
     if not program:
         parser.error("name the program after '--', e.g. tarantella -n 2 -- train.py")
+    restarts.check_options(parser, options)
     return options, program
 
 
@@ -273,7 +280,44 @@ def _slurm_ranks_per_node():
         match = re.fullmatch(r"(\d+)(?:\(x\d+\))?", entry)
         if match:
             counts.add(int(match.group(1)))
-    return counts.pop() if len(counts) == 1 else None
+    if len(counts) > 1:
+        # e.g. `sbatch -n 3 -N 2`: running one rank per node instead would leave tasks idle, silently.
+        raise LaunchError(f"the Slurm allocation has different numbers of tasks per node (SLURM_TASKS_PER_NODE="
+                          f"{os.environ['SLURM_TASKS_PER_NODE']}), and tarantella runs as many ranks on every "
+                          "node. Ask Slurm for the same number on each (--ntasks-per-node), or give -n or "
+                          "--n-per-node.")
+    return counts.pop() if counts else None
+
+
+# srun's PMI plug-in for each family of MPI launchers: MPICH, Intel MPI and MVAPICH (Hydra) speak PMI-2;
+# Open MPI 5 only PMIx (docs/running.md, Slurm).
+_SRUN_PMI_PLUGIN = {"hydra": "pmi2", "openmpi": "pmix"}
+
+
+def srun_pmi_option(srun):
+    """srun's `--mpi=PLUGIN` for the MPI that mpi4py loads, when nothing else chose one: neither the
+    srun command (TNT_MPIEXEC), SLURM_MPI_TYPE nor the cluster (MpiDefault). With Slurm's own
+    default, none, MPI cannot find the other tasks and each rank would train alone, as a job of
+    size 1."""
+    if any(word == "--mpi" or word.startswith("--mpi=") for word in srun) or os.environ.get("SLURM_MPI_TYPE"):
+        return []
+    if _slurm_mpi_default(srun) not in (None, "none"):
+        return []
+    library_launcher = _launcher_of_the_mpi_library()
+    plugin = _SRUN_PMI_PLUGIN.get(_mpi_flavour([library_launcher])) if library_launcher else None
+    return [f"--mpi={plugin}"] if plugin else []
+
+
+def _slurm_mpi_default(srun):
+    """The cluster's MpiDefault (`scontrol show config`, found beside srun first), or None."""
+    beside_srun = os.path.join(os.path.dirname(shutil.which(srun[0]) or ""), "scontrol")
+    scontrol = beside_srun if os.access(beside_srun, os.X_OK) else "scontrol"
+    try:
+        listing = subprocess.run([scontrol, "show", "config"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"^MpiDefault\s*=\s*(\S+)", listing, re.M)
+    return match.group(1) if match else None
 
 
 def count_gpus():
@@ -354,6 +398,7 @@ def build_command(options, program, placement, mpiexec, flavour):
                 ("TNT_LOG_LEVEL", options.log_level),
                 ("TNT_LOG_ON_ALL_DEVICES", "true" if options.log_on_all_devices else None),
                 ("TNT_USE_GPU", None if placement.use_gpu else "false"),
+                ("TNT_TIMELINE", os.path.abspath(options.timeline) if options.timeline else None),
                 ("TNT_ANNOUNCE_RANKS", "true")]
     settings += [tuple(assignment.split("=", 1)) for assignment in options.variables]
     for name, value in settings:
@@ -383,6 +428,7 @@ def build_command(options, program, placement, mpiexec, flavour):
                                    "--kill-on-bad-exit=1"]
         if placement.hosts:
             command += [f"--nodes={len(placement.hosts)}", "--nodelist=" + ",".join(placement.hosts)]
+        command += srun_pmi_option(mpiexec)
         # srun's --export cannot carry values with commas; env can carry anything.
         command += ["env"] + [f"{name}={value}" for name, value in environment]
     elif placement.hosts:
@@ -450,15 +496,20 @@ def _find_mpiexec():
             raise LaunchError(f"TNT_MPIEXEC={configured!r} names {command[0]!r}, which is not an executable "
                               "program (nor on PATH). Fix TNT_MPIEXEC, or unset it to use mpiexec.")
         return command
-    # The `mpich` wheel installs mpiexec beside the interpreter, which need not be on PATH.
-    beside_python = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if os.access(beside_python, os.X_OK):
-        return [beside_python]
-    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    found = _launcher_of_the_mpi_library()
     if found:
         return [found]
     raise LaunchError("no mpiexec found. Install an MPI (e.g. pip install 'tarantella[mpich]'), put your "
                       "MPI's bin directory on PATH, or name the launcher with TNT_MPIEXEC.")
+
+
+def _launcher_of_the_mpi_library():
+    """The mpiexec that comes with the MPI mpi4py loads, or None."""
+    # The `mpich` wheel installs mpiexec beside the interpreter, which need not be on PATH.
+    beside_python = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.access(beside_python, os.X_OK):
+        return beside_python
+    return shutil.which("mpiexec") or shutil.which("mpirun")
 
 
 @functools.lru_cache(maxsize=None)

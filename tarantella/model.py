@@ -16,7 +16,8 @@ import numpy as np
 import tensorflow as tf
 
 from tarantella import callbacks as callbacks_module
-from tarantella import agreement, communication, config, data, distributed_step, gradients, saving
+from tarantella import (agreement, backups, communication, config, data, distributed_step, gradients, saving,
+                        timeline)
 
 logger = communication.logger
 
@@ -226,14 +227,20 @@ class Model(keras.Model):
         if self._distributed:
             self._prepare(x.element_spec, "train")
             self._warn_small_batch_normalization_batches(x, tnt_distribute_dataset)
-        callbacks = self._callbacks_for_this_rank(callbacks) + [epoch_order]
+        automatic_backups = backups.for_fit(self, callbacks)
+        # After the user's callbacks: an epoch's backup holds what they changed at its end.
+        callbacks = self._callbacks_for_this_rank(callbacks) + [c for c in (automatic_backups, epoch_order) if c]
         with self._keras_output_on_master_only():
             history = super().fit(
                 x, epochs=epochs, verbose=self._verbosity(verbose), callbacks=callbacks,
                 validation_data=validation_data, class_weight=class_weight, initial_epoch=initial_epoch,
                 steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
                 validation_freq=validation_freq, shuffle=keras_shuffle)
+        if automatic_backups is not None:
+            automatic_backups.complete_history(history)
         self._use_masters_statistics()
+        if timeline.recorder is not None:
+            timeline.recorder.write(self._comm, report=True)
         return history
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
@@ -273,6 +280,20 @@ class Model(keras.Model):
             return super().predict(x, verbose=self._verbosity(verbose), steps=steps, callbacks=callbacks)
 
     # -- the steps: the wrapped model's own, made global by DistributedStep -----------------
+
+    def make_train_function(self, force=False):
+        new = self.train_function is None or force
+        super().make_train_function(force)
+        if new and timeline.recorder is not None:
+            self.train_function = timeline.recorder.timed_steps(self.train_function, "training step")
+        return self.train_function
+
+    def make_test_function(self, force=False):
+        new = self.test_function is None or force
+        super().make_test_function(force)
+        if new and timeline.recorder is not None:
+            self.test_function = timeline.recorder.timed_steps(self.test_function, "test step")
+        return self.test_function
 
     def train_step(self, data_batch):
         if not self._distributed:

@@ -14,7 +14,7 @@ import uuid
 
 import keras
 
-from tarantella import communication
+from tarantella import communication, timeline
 
 _master_alone = False  # True while a master-only callback runs: the other ranks are not saving
 
@@ -52,7 +52,8 @@ def write_whole(filepath, write, overwrite=True, save_all_devices=False):
     error = None
     if writes_here:
         try:
-            _write_then_rename(path, write)
+            with timeline.span(f"save {os.path.basename(path)}"):
+                _write_then_rename(path, write)
         except Exception as exc:  # reported to every rank below, then raised here
             error = exc
     if together:

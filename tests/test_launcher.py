@@ -200,11 +200,35 @@ def test_inside_slurm_the_allocation_gives_hosts_and_tasks_per_node(tmp_path):
 
 def test_srun_as_the_launcher_gets_tasks_nodes_and_variables_through_env(tmp_path):
     srun = fake_tool(tmp_path, "srun", 'echo "slurm 23.11.4"\n')
+    fake_tool(tmp_path, "scontrol", 'echo "MpiDefault              = none"\n')  # Slurm's own default
     env = clean_env(SLURM_JOB_NODELIST="n[1-2]", SLURM_NTASKS_PER_NODE="2", TNT_MPIEXEC=str(srun))
     command = command_of(dry_run("-x", "DATA=/a,b", "--", "t.py", env=env))
+    # The venv's MPI is the mpich wheel (Hydra's family): srun's PMI-2 plug-in lets its ranks meet.
     assert command.startswith(f"{srun} --ntasks=4 --ntasks-per-node=2 --kill-on-bad-exit=1 --nodes=2 "
-                              "--nodelist=n1,n2 env PYTHONUNBUFFERED=1 ")
+                              "--nodelist=n1,n2 --mpi=pmi2 env PYTHONUNBUFFERED=1 ")
     assert " DATA=/a,b " in command and command.endswith(f" {RANK_ENTRY} t.py")
+
+
+def test_srun_keeps_the_pmi_plugin_that_the_user_or_the_cluster_chose(tmp_path):
+    srun = fake_tool(tmp_path, "srun", 'echo "slurm 23.11.4"\n')
+    scontrol = fake_tool(tmp_path, "scontrol", 'echo "MpiDefault              = none"\n')
+    allocation = clean_env(SLURM_JOB_NODELIST="n[1-2]", SLURM_NTASKS_PER_NODE="1")
+    chosen_in_the_command = dict(allocation, TNT_MPIEXEC=f"{srun} --mpi=pmix")
+    assert " --mpi=pmix --ntasks=2 " in command_of(dry_run("--", "t.py", env=chosen_in_the_command))
+    assert "pmi2" not in dry_run("--", "t.py", env=chosen_in_the_command)
+    chosen_in_the_environment = dict(allocation, TNT_MPIEXEC=str(srun), SLURM_MPI_TYPE="pmix")
+    assert "--mpi" not in command_of(dry_run("--", "t.py", env=chosen_in_the_environment))
+    scontrol.write_text('#!/bin/sh\necho "MpiDefault              = pmix"\n')
+    chosen_by_the_cluster = dict(allocation, TNT_MPIEXEC=str(srun))
+    assert "--mpi" not in command_of(dry_run("--", "t.py", env=chosen_by_the_cluster))
+
+
+def test_an_allocation_with_different_tasks_per_node_is_refused_unless_n_says_how_many():
+    uneven = clean_env(SLURM_JOB_NODELIST="n[1-2]", SLURM_TASKS_PER_NODE="2,1")
+    assert ("tarantella: error: the Slurm allocation has different numbers of tasks per node "
+            "(SLURM_TASKS_PER_NODE=2,1), and tarantella runs as many ranks on every node. Ask Slurm for the "
+            "same number on each (--ntasks-per-node), or give -n or --n-per-node.") in refused("--", "t.py", env=uneven)
+    assert " -hosts n1:1,n2:1 -n 2 " in command_of(dry_run("-n", "2", "--", "t.py", env=uneven))
 
 
 # -- devices -------------------------------------------------------------------------------------

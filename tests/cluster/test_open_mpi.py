@@ -118,3 +118,23 @@ def test_when_mpirun_refuses_to_start_the_last_line_names_open_mpi_the_cause_and
     assert re.fullmatch(r"tarantella: Open MPI's mpirun refused to start the job: .*could not access an "
                         r"executable\. Fix: check that the program and the Python interpreter exist on every "
                         r"host at the same path\.", last_line), process.stderr
+
+
+@only_with_cluster_tests
+def test_a_rank_killed_mid_epoch_is_restarted_and_ends_with_the_uninterrupted_weights(open_mpi_venv, tmp_path):
+    job = REPO / "tests" / "workers" / "long_job.py"
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    reference.mkdir()
+    resumed.mkdir()
+    assert_ok(run([open_mpi_venv / "bin" / "tarantella", "-n", "2", "--no-gpu", "--", job, reference]))
+    env = dict(open_mpi_env(), FAULT="attempt=0,rank=1,fit=1,epoch=1,step=3,how=kill")
+    process = subprocess.run([str(open_mpi_venv / "bin" / "tarantella"), "-n", "2", "--no-gpu", "--max-restarts", "1",
+                              "--backup-every-steps", "2", "--backup-dir", str(tmp_path / "backups"), "--", str(job),
+                              str(resumed)], capture_output=True, text=True, timeout=300, env=env)
+    assert_ok(process)
+    restarts = [line for line in process.stderr.splitlines() if line.startswith("tarantella: restart ")]
+    assert len(restarts) == 1 and " Resuming from fit #1 at epoch 2, step 2 " in restarts[0], process.stderr
+    expected, result = load_npz(reference / "weights.npz"), load_npz(resumed / "weights.npz")
+    for key in expected:
+        np.testing.assert_array_equal(result[key], expected[key], err_msg=key)
+    assert not (tmp_path / "backups").exists()

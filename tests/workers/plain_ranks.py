@@ -66,9 +66,25 @@ def old_failure_lines_then_rank_1_raises():
         time.sleep(0.1)
 
 
+def fail_on_attempts(attempts):
+    """Rank 1 raises on the listed restart attempts (e.g. "0,1"), fails before MPI starts on those
+    listed with a "startup" prefix ("startup1"), and otherwise both ranks finish."""
+    attempt = os.environ.get("TNT_RESTART_ATTEMPT", "0")
+    rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+    if rank == "1" and f"startup{attempt}" in attempts.split(","):
+        open("/nonexistent/tarantella-test-data.npz")
+    from mpi4py import MPI
+    if rank == "1" and attempt in attempts.split(","):
+        raise RuntimeError(f"failure on attempt {attempt}")
+    MPI.COMM_WORLD.Barrier()
+    sys.stdout.write(f"rank {MPI.COMM_WORLD.Get_rank()} attempt {attempt} done\n")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "start-a-child":
         start_a_child(sys.argv[2])
+    elif sys.argv[1] == "fail-on-attempts":
+        fail_on_attempts(sys.argv[2])
     else:
         {"fail-before-mpi": fail_before_mpi, "chatter": chatter, "run-forever": run_forever,
          "run-forever-ignoring-sigterm": lambda: run_forever(ignore_sigterm=True),

@@ -121,7 +121,7 @@ CASES.update({
 })
 
 
-def run_case(name, mode, out_dir):
+def run_case(name, mode, out_dir, verbose=0):
     import keras
     import numpy as np
     import tensorflow as tf
@@ -137,9 +137,9 @@ def run_case(name, mode, out_dir):
     data = lambda: make_data(np, tf, model_name, batch_size, mode, shuffle_seed, map_before_batch)
     arrays = {}
     if name in OPTIMIZER_ONLY_CASES:
-        history = model.fit(data(), epochs=2, verbose=0)
+        history = model.fit(data(), epochs=2, verbose=verbose)
     else:
-        history = model.fit(data(), epochs=2, validation_data=data(), verbose=0)
+        history = model.fit(data(), epochs=2, validation_data=data(), verbose=verbose)
         arrays["evaluation"] = np.array(model.evaluate(data(), verbose=0))
         arrays["predictions"] = model.predict(data(), verbose=0)
     rank = tnt.get_rank() if mode == "tnt" else 0
@@ -153,11 +153,12 @@ def main():
     parser.add_argument("--mode", choices=["serial", "tnt"], required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--verbose", type=int, default=0, help="fit's verbose: 2 prints a line per epoch")
     args = parser.parse_args()
     if args.mode == "tnt":
         import tarantella  # noqa: F401  (before TensorFlow runs, as users should)
     for name in args.cases.split(","):
-        run_case(name, args.mode, args.out)
+        run_case(name, args.mode, args.out, args.verbose)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,208 @@
+"""Automatic backups of `fit`, for jobs that the `tarantella` command restarts (`--max-restarts`).
+
+With TNT_BACKUP_DIR set (the command sets it) and no BackupAndRestore of the user's, every
+`fit` call gets an `AutomaticBackups` callback. The master writes the training state (the
+model's variables, random seed states included, every optimizer's and the metrics') after
+every epoch, after every TNT_BACKUP_EVERY_STEPS steps, and when `fit` ends; the other ranks
+do not wait for it. Each `fit` call has its own file, numbered in call order, and the files
+stay until the job ends well: a program restarted from its top finds a finished call's
+final state and skips its training, and resumes the unfinished one where the backup left it.
+
+Resuming mid-epoch: Keras always starts an epoch at step 0, so the first `step` steps of the
+resumed epoch are replayed: each takes its batch from the input, as the uninterrupted run
+did, and trains nothing (the restored state is already past them). The input thereby
+continues exactly where the backup was taken (shuffled and reshuffling datasets, arrays,
+PyDatasets and file sources alike), and Keras' step numbers, callbacks and iterators are
+those of the uninterrupted run.
+"""
+
+import time
+
+import keras
+import numpy as np
+
+from tarantella import backup_files, communication, config
+
+logger = communication.logger
+
+_fit_calls = 0  # `fit` calls of this process so far: each call's backup is found again by its number
+
+
+def for_fit(model, user_callbacks):
+    """This `fit` call's AutomaticBackups, or None: no TNT_BACKUP_DIR, or the user brought a
+    BackupAndRestore (that one is used instead)."""
+    directory = config.backup_dir()
+    if directory is None:
+        return None
+    global _fit_calls
+    _fit_calls += 1
+    if any(isinstance(getattr(callback, "callback", callback), keras.callbacks.BackupAndRestore)
+           for callback in user_callbacks or []):
+        return None
+    return AutomaticBackups(model, directory, _fit_calls, config.backup_every_steps())
+
+
+class AutomaticBackups(keras.callbacks.Callback):
+    """Restores this `fit` call's backup on every rank when it begins; the master backs up."""
+
+    def __init__(self, model, directory, fit_number, every_steps):
+        super().__init__()
+        self._comm = model._comm
+        self._directory = directory
+        self._path = backup_files.path_of(directory, fit_number)
+        self._fit_number = fit_number
+        self._every_steps = every_steps
+        self._epoch_logs = {}  # epoch -> its logs, of this call, restored ones included
+        self._epoch = 0
+        self._steps_done = 0  # steps of the current epoch
+        self._steps_since_backup = 0
+        self._latest_logs = {}
+        self._resume_metrics = None  # (epoch, metric values) to set when that epoch begins
+        self._steps_to_replay = 0
+        self._replayed = False  # the last step was replayed, not trained
+        self._skipped = False  # the call had completed before a restart: nothing trains
+
+    # -- the state -----------------------------------------------------------------------
+
+    def _variables(self):
+        """(training state, metric state): everything a resumed fit must find as it was."""
+        model = self.model
+        training, seen = [], set()
+        optimizers = model._step.optimizers()
+        for variable in [*model.variables, *(v for optimizer in optimizers for v in optimizer.variables)]:
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                training.append(variable)
+        metrics = [v for metric in model.metrics for v in metric.variables if id(v) not in seen]
+        return training, metrics
+
+    def _backup(self, epoch, step, completed=False):
+        if self._comm.rank != communication.MASTER_RANK:
+            return
+        started = time.monotonic()
+        training, metrics = self._variables()
+        arrays = [np.asarray(v.numpy(), order="C") for v in training + metrics]
+        header = {"fit": self._fit_number, "epoch": epoch, "step": step, "completed": completed,
+                  "metric_variables": len(metrics), "variables": [_describe(v) for v in training + metrics],
+                  "logs": self._latest_logs, "history": {str(e): logs for e, logs in self._epoch_logs.items()},
+                  "ranks": self._comm.size, "written_at": time.time()}
+        try:
+            backup_files.write(self._path, header, arrays)
+        except OSError as error:
+            raise OSError(f"The automatic backup of fit #{self._fit_number} to {self._path} failed: {error}. Give "
+                          "--backup-dir a folder with room that every rank can read (a shared file system).") \
+                from None
+        self._steps_since_backup = 0
+        logger.debug("backup of fit #%d at epoch %d, step %d: %.1f MB in %.3f s", self._fit_number, epoch + 1, step,
+                     sum(a.nbytes for a in arrays) / 1e6, time.monotonic() - started)
+
+    def _restore(self):
+        """Every rank reads the backup; returns its header, or None without one."""
+        if backup_files.read_header(self._path) is None:
+            return None
+        header, arrays = backup_files.read_arrays(self._path)
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(self.model.trainable_variables)
+        training, metrics = self._variables()
+        here = [_describe(v) for v in training + metrics]
+        if here != header["variables"] or len(metrics) != header["metric_variables"]:
+            raise ValueError(
+                f"The backup {self._path} was not made by this fit call (#{self._fit_number} of the program): "
+                f"{_first_difference(header['variables'], here)}. A restarted program must build the same models "
+                "and call fit in the same order. To start afresh, remove the backup folder.")
+        for variable, array in zip(training, arrays):
+            variable.assign(array)
+        self._epoch_logs = {int(e): logs for e, logs in header["history"].items()}
+        self._latest_logs = header["logs"]
+        if header["step"]:
+            self._resume_metrics = (header["epoch"], arrays[len(training):])
+        return header
+
+    # -- Keras' hooks ----------------------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        header = self._restore()
+        if header is None:
+            return
+        epochs = self.params.get("epochs") or 0
+        if header["completed"]:
+            # Restored to the call's final state; the loop runs no epoch.
+            self._skipped = True
+            self.model._initial_epoch = epochs
+            logger.info("fit #%d had completed before the restart: its final state is restored from %s.",
+                        self._fit_number, self._path)
+            return
+        self.model._initial_epoch = header["epoch"]
+        self._steps_to_replay = header["step"]
+        if self._steps_to_replay:
+            train_function = self.model.train_function
+            self.model.train_function = lambda iterator: self._replay_or_train(train_function, iterator)
+        logger.info("fit #%d resumes from %s at epoch %d, step %d.", self._fit_number, self._path,
+                    header["epoch"] + 1, header["step"])
+
+    def _replay_or_train(self, train_function, iterator):
+        if self._steps_to_replay <= 0:
+            self.model.train_function = train_function  # replaying is over: the step itself from now on
+            self._replayed = False
+            return train_function(iterator)
+        for _ in range(self.model.steps_per_execution):
+            iterator.get_next()  # the batch the uninterrupted run trained on here
+        self._steps_to_replay -= self.model.steps_per_execution
+        self._replayed = True
+        return dict(self._latest_logs)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._steps_done = 0
+        if self._resume_metrics is not None and self._resume_metrics[0] == epoch:
+            # Keras reset the metrics as the epoch began; the backup holds their state mid-epoch.
+            _, values = self._resume_metrics
+            for variable, value in zip(self._variables()[1], values):
+                variable.assign(value)
+            self._resume_metrics = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        done = batch + 1
+        self._steps_since_backup += done - self._steps_done
+        self._steps_done = done
+        if self._replayed:
+            self._steps_since_backup = 0
+            return
+        self._latest_logs = _scalars(logs)
+        if self._every_steps and self._steps_since_backup >= self._every_steps:
+            self._backup(self._epoch, done)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._epoch_logs[epoch] = _scalars(logs)
+        self._backup(epoch + 1, 0)
+
+    def on_train_end(self, logs=None):
+        self.model._initial_epoch = None  # a later fit of this model starts where its caller says
+        if not self._skipped:
+            self._backup(max(self._epoch_logs, default=-1) + 1, 0, completed=True)
+
+    def complete_history(self, history):
+        """Puts the epochs that ran before the restart in front of the History Keras returns."""
+        earlier = [epoch for epoch in sorted(self._epoch_logs) if epoch not in history.epoch]
+        if not earlier:
+            return
+        keys = set(history.history) | {key for epoch in earlier for key in self._epoch_logs[epoch]}
+        history.history = {key: [self._epoch_logs[epoch].get(key) for epoch in earlier] + history.history.get(key, [])
+                           for key in keys}
+        history.epoch = earlier + list(history.epoch)
+
+
+def _describe(variable):
+    return [getattr(variable, "path", variable.name), str(np.dtype(variable.dtype)), list(variable.shape)]
+
+
+def _first_difference(saved, here):
+    for index, (before, now) in enumerate(zip(saved, here)):
+        if before != now:
+            return f"variable #{index} is {before} in the backup but {now} here"
+    return f"the backup holds {len(saved)} variables, this fit {len(here)}"
+
+
+def _scalars(logs):
+    return {key: float(value) for key, value in (logs or {}).items() if np.ndim(value) == 0}

@@ -1,0 +1,168 @@
+"""`tarantella --timeline FILE`: the trace of real ranks under the real launcher, the step report,
+its straggler, and the report's advice on synthetic events."""
+
+import json
+import os
+
+import pytest
+
+from conftest import WORKERS, assert_ok, launch, launcher_command, run_python
+from tarantella import timeline
+
+RANKS = 3
+
+
+@pytest.fixture(scope="module")
+def steady_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("timeline")
+    trace_path = folder / "trace.json"
+    process = launch(RANKS, WORKERS / "timeline.py", "steady", folder, options=["--timeline", str(trace_path)],
+                     timeout=300)
+    assert_ok(process)
+    with open(trace_path) as file:
+        trace = json.load(file)
+    with open(folder / "facts.json") as file:
+        facts = json.load(file)
+    return process, trace, facts
+
+
+def _slices(trace, rank, name_start=""):
+    return [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == rank and e["name"].startswith(name_start)]
+
+
+def _inside(event, outer):
+    return outer["ts"] <= event["ts"] <= outer["ts"] + outer["dur"]
+
+
+def test_the_trace_has_one_process_row_per_rank_on_one_clock(steady_run):
+    _, trace, _ = steady_run
+    named = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert sorted(named) == list(range(RANKS))
+    assert all(named[rank].startswith(f"rank {rank} (") for rank in named)
+    assert {e["pid"] for e in trace["traceEvents"]} == set(range(RANKS))
+    clock = trace["otherData"]
+    assert clock["ranks"] == RANKS and clock["clock_offsets_us"][0] == 0
+    # One node, one CLOCK_MONOTONIC: each measured offset lies within its round trip.
+    for offset, round_trip in zip(clock["clock_offsets_us"][1:], clock["clock_round_trips_us"][1:]):
+        assert 0 < round_trip and abs(offset) <= round_trip
+    # The same collective starts at about the same time everywhere (within the ranks' skew, not seconds).
+    openings = [min(e["ts"] for e in _slices(trace, rank, "step opening")) for rank in range(RANKS)]
+    assert max(openings) - min(openings) < 1e6
+
+
+def test_every_training_step_shows_its_buckets_metrics_and_input(steady_run):
+    _, trace, facts = steady_run
+    for rank in range(RANKS):
+        steps = _slices(trace, rank, "training step")
+        assert len(steps) == facts["fit_steps"]
+        buckets = _slices(trace, rank, "bucket ")
+        metrics = [e for e in _slices(trace, rank, "losses and metrics") if e["tid"] == timeline.WORKER_ROW]
+        for step in steps:
+            inside = [b for b in buckets if _inside(b, step)]
+            assert sum(b["args"]["bytes"] for b in inside) == facts["gradient_bytes"], step["name"]
+            assert len([m for m in metrics if _inside(m, step)]) == 1
+            assert [e for e in _slices(trace, rank, "waiting for input") if _inside(e, step)]
+        handovers = [e for e in trace["traceEvents"] if e["pid"] == rank and e["name"].startswith("hand-over")]
+        assert len(handovers) == len(buckets)
+        # Every worker collective is split into its wait for the latest rank (if any) and its transfer.
+        transfers = _slices(trace, rank, "transfer")
+        assert len(transfers) == len([e for e in _slices(trace, rank) if "collective" in e["args"]])
+
+
+def test_validation_saves_custom_loops_and_public_collectives_appear(steady_run):
+    _, trace, _ = steady_run
+    for rank in range(RANKS):
+        assert _slices(trace, rank, "test step")
+        assert _slices(trace, rank, "callbacks and Keras' loop")
+        steps = _slices(trace, rank, "training step")
+        outside = [b for b in _slices(trace, rank, "bucket ") if not any(_inside(b, s) for s in steps)]
+        assert outside, "the custom loop's gradient buckets"
+        assert [e for e in _slices(trace, rank, "tnt.allreduce") if e["tid"] == timeline.WORKER_ROW]
+    assert _slices(trace, 0, "save model.keras")
+
+
+def test_fit_prints_a_step_report_per_rank(steady_run):
+    process, _, facts = steady_run
+    report = process.stdout[process.stdout.index("tarantella timeline:"):]
+    assert f"{facts['fit_steps'] - 1} training steps on {RANKS} rank(s)" in report
+    for column in ("compute", "input wait", "communication not hidden", "waiting for the slowest rank"):
+        assert column in report
+    rows = [line.split() for line in report.splitlines()[2:2 + RANKS]]
+    assert [row[0] for row in rows] == [str(rank) for rank in range(RANKS)]
+    assert "What would help: " in report
+    assert process.stdout.count("tarantella timeline:") == 1  # the master alone prints it
+
+
+def test_a_rank_slowed_in_its_input_pipeline_is_named(tmp_path):
+    process = launch(2, WORKERS / "timeline.py", "straggler", options=["--timeline", str(tmp_path / "t.json")],
+                     timeout=300)
+    assert_ok(process)
+    assert "Straggler: rank 1 (host " in process.stdout, process.stdout
+    assert "What would help: rank 1's input pipeline" in process.stdout, process.stdout
+
+
+def test_the_launcher_hands_the_timeline_to_every_rank(tmp_path):
+    import subprocess
+    command = launcher_command() + ["-n", "2", "--timeline", "trace.json", "--dry-run", "--", "train.py"]
+    listing = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path).stdout
+    assert f"TNT_TIMELINE={os.path.join(os.path.realpath(tmp_path), 'trace.json')}" in listing
+
+
+# -- the report's advice, on synthetic events (times in ms) -----------------------------------------
+
+MS = 1_000_000
+
+
+def _rank_events(steps, blocked=(), buckets=(), slow_compute=0):
+    """Events of one rank: `steps` training steps of 10 ms (+ slow_compute), each opening at 0.5 ms;
+    `blocked`: (category's description, start, end) in every step; `buckets`: bytes per step."""
+    events, sequence, length = [("step", "training step", -50 * MS, -40 * MS, True)], 0, 10 + slow_compute
+    for k in range(steps):
+        start = k * 20 * MS
+        events.append(("step", "training step", start, start + length * MS, False))
+        events.append(("blocked", timeline.OPS_ROW, "the allreduce of micro-batch sizes of a training step",
+                       start + MS // 2, start + MS // 2 + MS // 10))
+        for what, begin, end in blocked:
+            events.append(("blocked", timeline.OPS_ROW, what, start + begin * MS, start + end * MS))
+        for index, nbytes in enumerate(buckets):
+            events.append(("bucket", sequence, index, nbytes, start + 2 * MS, start + 2 * MS + 1000))
+            sequence += 1
+    return events
+
+
+def test_synchronized_batch_normalization_that_is_not_hidden_is_named():
+    moments = [("the allreduce of synchronized BatchNormalization moments of float64[3]", 2, 4)]
+    report = timeline.step_report([_rank_events(8, moments), _rank_events(8, moments)], [0, 0], ["a", "b"])
+    assert "fewer synchronized BatchNormalization layers" in report
+    assert "Straggler" not in report
+
+
+def test_many_small_buckets_ask_for_a_higher_fusion_threshold():
+    blocked = [("the gradient allreduce", 5, 8)]
+    by_rank = [_rank_events(8, blocked, buckets=[40_000] * 12) for _ in range(2)]
+    assert "a higher fusion threshold" in timeline.step_report(by_rank, [0, 0], ["a", "b"], 32 * 1024)
+
+
+def test_a_rank_that_computes_longer_is_named_as_a_slow_host():
+    by_rank = [_rank_events(8), _rank_events(8, slow_compute=6)]
+    # Rank 0 waits at the step's last collective for rank 1, which arrives 6 ms later.
+    for rank, arrival in ((0, 3), (1, 9)):
+        for k in range(8):
+            start = k * 20 * MS
+            by_rank[rank].append(("blocked", timeline.OPS_ROW, "the allreduce of losses and metrics",
+                                  start + arrival * MS, start + 9 * MS + MS // 10))
+            by_rank[rank].append(("collective", k, "the allreduce of losses and metrics", start + arrival * MS,
+                                  start + 9 * MS + MS // 10))
+    report = timeline.step_report(by_rank, [0, 0], ["fast", "busy"])
+    assert "Straggler: rank 1 (host busy)" in report
+    assert "a slow host: rank 1" in report
+
+
+def test_one_process_without_the_launcher_writes_a_trace_of_one_rank(tmp_path):
+    process = run_python(WORKERS / "timeline.py", "steady", tmp_path, env={"TNT_TIMELINE": str(tmp_path / "t.json")},
+                         timeout=300)
+    assert_ok(process)
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"]} == {0}
+    assert len(_slices(trace, 0, "training step")) == json.loads((tmp_path / "facts.json").read_text())["fit_steps"]
+    assert "tarantella timeline:" in process.stdout and "Straggler" not in process.stdout
