@@ -915,6 +915,14 @@ class _OutputMonitor:
             return consequence.describe()
         if not self.started:
             return "the MPI launcher ended before any rank started; see its messages above."
+        unfinished = sorted(set(self.started) - self.finished)
+        if unfinished:
+            # E.g. a proxy on another host lost: MPICH's mpiexec then ends at once, before the
+            # ranks there or their peers can report.
+            listing = ", ".join(f"rank {rank} on host {self.started[rank]}" for rank in unfinished)
+            return (f"the MPI launcher ended while {listing} had not finished, and no rank reported a failure: "
+                    "it lost one of its own processes (a proxy killed, or an ssh connection dropped); see its "
+                    "messages above.")
         return "no rank reported a failure; see the MPI launcher's messages above."
 
     def _aborted(self, status):
