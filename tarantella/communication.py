@@ -41,11 +41,13 @@ _RING_MIN_BYTES = 1 << 20  # below this MPI's own algorithms have the lower late
 
 
 class CollectiveError(RuntimeError):
-    """The ranks could not complete a collective together. `summary` is one line for the launcher."""
+    """The ranks could not complete a collective together. `summary` is one line for the launcher;
+    `culprit` is the rank whose failure (or absence) caused this error, when it is another one."""
 
-    def __init__(self, message, summary=None):
+    def __init__(self, message, summary=None, culprit=None):
         super().__init__(message)
         self.summary = summary
+        self.culprit = culprit
 
 
 class CollectiveTimeoutError(CollectiveError):
@@ -206,7 +208,8 @@ class Communicator:
         if self._broken is not None:
             raise _remember(CollectiveError(
                 f"rank {self.rank}: {what} cannot start: an earlier collective failed ({self._broken}), so "
-                "the ranks are out of step. End the program.", summary=self._broken))
+                "the ranks are out of step. End the program.", summary=self._broken,
+                culprit=getattr(_first_failure, "culprit", None)))
 
     def _wait(self, finished, what):
         """Waits for `finished(timeout)` to return True, watching the other ranks meanwhile.
@@ -309,7 +312,8 @@ class Communicator:
             f"{self.timeout_s:g} s: rank(s) {ranks} did not arrive. {who}. A rank has failed, hangs, or "
             "runs different code (other epochs or steps). If a rank legitimately needs longer (e.g. the "
             "master writes a large file), raise TNT_COLLECTIVE_TIMEOUT." + _SAVE_HINT * ("save" in what),
-            summary=f"rank(s) {ranks} did not arrive at {what} within {self.timeout_s:g} s ({who})")
+            summary=f"rank(s) {ranks} did not arrive at {what} within {self.timeout_s:g} s ({who})",
+            culprit=missing[0][0] if missing else None)
 
     # -- synchronous collectives --------------------------------------------------
 
@@ -485,6 +489,11 @@ def _finish(communicator):
     sys.stderr.write(f"tarantella: rank {communicator.rank} on host {communicator.host} reached the end of the "
                      f"program after a failed collective ({communicator._broken}); stopping all ranks.\n")
     sys.stderr.flush()
+    from tarantella import rank_entry
+    culprit = getattr(_first_failure, "culprit", None)
+    rank_entry.announce(rank_entry.FAILED, "CollectiveError",
+                        rank_entry.UNKNOWN_CULPRIT if culprit is None else str(culprit),
+                        f"it reached the end of the program after a failed collective ({communicator._broken})")
     from mpi4py import MPI
     MPI.COMM_WORLD.Abort(1)
 
@@ -578,7 +587,8 @@ class _PeerMonitor:
                    f"(#{self._comm.entered})")
         raise RankLeftError(
             f"rank {self._comm.rank}: {summary}. Every rank must run the same collectives: a rank may "
-            "end only when the others need it no more." + _SAVE_HINT * ("save" in what), summary=summary)
+            "end only when the others need it no more." + _SAVE_HINT * ("save" in what), summary=summary,
+            culprit=rank)
 
     def raise_if_a_rank_failed(self):
         """Raises RankFailedError when another rank told this one that it failed."""
@@ -586,7 +596,8 @@ class _PeerMonitor:
             failures = sorted(self._failures.items())
         if failures:
             rank, failure = failures[0]
-            raise RankFailedError(f"rank {self._comm.rank}: {failure}. The job stops.", summary=failure)
+            raise RankFailedError(f"rank {self._comm.rank}: {failure}. The job stops.", summary=failure,
+                                  culprit=rank)
 
     def announce_failure(self, failure):
         """Tells every other rank that this one failed (`failure` says how), so that they raise it
@@ -705,10 +716,15 @@ def init():
     ring_allreduce = config.ring_allreduce()
     global _MPI
     missing_mpi = None
+    worker = _multiprocessing_worker()
     try:
+        if worker:
+            # It inherited its rank's MPI variables, but it is no rank: joining MPI would fail
+            # (endless PMI errors) or, worse, disturb its rank's connection to the MPI launcher.
+            raise ImportError(f"a {worker} worker process of a rank, which runs without MPI")
         from mpi4py import MPI
     except (ImportError, RuntimeError) as error:  # no mpi4py, or mpi4py without an MPI library
-        if _started_by_an_mpi_launcher():
+        if _started_by_an_mpi_launcher() and not worker:
             raise ImportError(
                 f"tarantella found no MPI ({str(error).splitlines()[0]}), but this process was started as a "
                 "rank of a parallel job. Install MPI for it: pip install 'tarantella[mpich]', or a system "
@@ -734,17 +750,49 @@ def init():
             logger.warning(warning)
     if missing_mpi is not None:
         logger.info("no MPI (%s): running as a single process, without MPI.", missing_mpi)
-    if config.announce_ranks():
-        # The line the `tarantella` command needs to name this rank's host should it fail.
-        from tarantella.rank_entry import RANK_ANNOUNCEMENT, write_to_process_stderr
-        write_to_process_stderr(f"{RANK_ANNOUNCEMENT} {_world.rank} {socket.gethostname()} {os.getpid()}")
     if _world.size > 1 or not config.use_gpu():
         _configure_tensorflow(local_rank, local_size)
     if _world.size > 1:
         _stop_all_ranks_on_uncaught_error(_world.rank)
+        from tarantella import rank_entry
+        rank_entry.watch_parent()  # started already where the `tarantella` command runs the rank
+        if rank_entry.reports_to_the_command():
+            _report_the_programs_mpi_aborts(MPI)
     if config.timeline_path() is not None:
         timeline.start(_world, config.timeline_path())
     return _world
+
+
+def _report_the_programs_mpi_aborts(MPI):
+    """Makes MPI.COMM_WORLD (and the communicators the program derives from it) report a call
+    of Abort to the `tarantella` command before aborting, so that it names this rank."""
+    from tarantella import rank_entry
+
+    class ReportingIntracomm(MPI.Intracomm):
+        def Abort(self, errorcode=0):
+            rank_entry.report_mpi_abort(errorcode)
+            super().Abort(errorcode)
+
+    MPI.COMM_WORLD = ReportingIntracomm(MPI.COMM_WORLD)
+
+
+def _multiprocessing_worker():
+    """'spawn' or 'forkserver' in a process that Python's multiprocessing started that way (e.g. a
+    data loader's worker pool), which imports the program's main module, and with it tarantella;
+    else None. (A forked worker is a copy of its rank and never imports tarantella anew.)"""
+    arguments = " ".join(getattr(sys, "orig_argv", sys.argv))
+    if "--multiprocessing-fork" in arguments or "multiprocessing.spawn" in arguments:
+        return "spawn"
+    if "multiprocessing.forkserver" in arguments:
+        return "forkserver"
+    return None
+
+
+def tell_other_ranks_this_one_failed(summary):
+    """Tells the other ranks (when MPI runs here) that this one fails as `summary` says, so that
+    they fail naming it at their next collective instead of waiting for it there."""
+    if _world is not None and _world.peers is not None:
+        _world.peers.announce_failure(summary)
 
 
 def get_rank():
@@ -805,7 +853,7 @@ def _stop_all_ranks_on_uncaught_error(rank):
     previous_hook = sys.excepthook
 
     def abort_job(exc_type, exc, tb):
-        cause = _collective_failure_behind(exc)
+        cause = collective_failure_behind(exc)
         if cause is None:
             previous_hook(exc_type, exc, tb)
         else:  # the traceback would show tarantella's internals, and TensorFlow's wrapping repeats it
@@ -822,7 +870,7 @@ def _stop_all_ranks_on_uncaught_error(rank):
     sys.excepthook = abort_job
 
 
-def _collective_failure_behind(error):
+def collective_failure_behind(error):
     """The CollectiveError that `error` is or wraps (TensorFlow turns an error raised inside a
     training step into an UnknownError carrying its text), else None."""
     if isinstance(error, CollectiveError):

@@ -9,6 +9,7 @@ import argparse
 import functools
 import os
 import re
+import secrets
 import select
 import shlex
 import shutil
@@ -21,7 +22,8 @@ import time
 from dataclasses import dataclass
 
 from tarantella import __version__, config, restarts
-from tarantella.rank_entry import FAILED, FINISHED, RANK_ANNOUNCEMENT, STARTED
+from tarantella.rank_entry import (FAILED, FINISHED, OWN_FAILURE, RANK_ANNOUNCEMENT, REPORT_KEY_OPTION, STARTED,
+                                   UNKNOWN_CULPRIT)
 
 USAGE = "tarantella [options] -- program.py [program arguments ...]"
 # Variables every rank on every host gets from the launcher's environment (Open MPI, unlike
@@ -35,9 +37,9 @@ FORWARDED_NAMES = ("PYTHONPATH",)
 _TENSORFLOW_INFO_LINE = re.compile(r"I\d{4} \d+:\d+:\d+(?:\.\d+)?\s+\d+ [\w.]+:\d+\] ")
 _ABSL_BANNER = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
 _CPU_FEATURES_CONTINUATION = "To enable the following instructions:"
-# Ranks started by this command announce on stderr, with RANK_ANNOUNCEMENT first, when they
-# start, join MPI ("rank host pid"), finish or fail; the command keeps these lines to itself
-# and uses them to bound the start-up and to name a failed rank and its host.
+# Ranks started by this command report on stderr, with RANK_ANNOUNCEMENT and the job's key
+# first, when they start, finish or fail; the command keeps these lines to itself and uses
+# them to bound the start-up and to name the rank whose failure came first, and its host.
 # Each rank finds its index on the node here, to pick its NUMA node.
 LOCAL_RANK_VARIABLE = {"hydra": "MPI_LOCALRANKID", "openmpi": "OMPI_COMM_WORLD_LOCAL_RANK",
                        "srun": "SLURM_LOCALID"}
@@ -49,9 +51,12 @@ _STOP_HERE = "_stop-processes-here"
 # past it, only a process a rank started (and left running) holds the ranks' output open.
 _ENDED_GRACE_S = 2.0
 _REMOTE_ENDED_GRACE_S = 10.0  # ranks on other hosts: from their announcement, their end unseen
+_PROXY_LOSS_CHECK_S = 0.2  # well within the time a rank that lost its proxy lives on (rank_entry)
+_EXITING = 0x4  # PF_EXITING in the flags of /proc/PID/stat: the process is being torn down
 # Open MPI's mpirun refuses to run as root (common in containers) unless both are set.
 _OPEN_MPI_ROOT_PERMISSION = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
-_RANK_ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_entry.py")  # internal: what `--cleanup` runs on each host
+# Internal: what every rank runs first, and what `--cleanup` looks for on each host.
+_RANK_ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_entry.py")
 
 
 class LaunchError(Exception):
@@ -554,6 +559,12 @@ def _run(command, environment, ranks, hosts, start_timeout_s, flavour="unknown",
     """Runs the MPI launcher; `ranks` is how many ranks announce their start (0: none do)."""
     env = dict(os.environ)
     env.update(environment)
+    # Made up for this job and handed to the ranks on their command line (which every MPI
+    # launcher passes on as it is): only the ranks' own reports carry it.
+    report_key = secrets.token_hex(16)
+    if _RANK_ENTRY in command:
+        at = command.index(_RANK_ENTRY) + 1
+        command = command[:at] + [REPORT_KEY_OPTION + report_key] + command[at:]
     # Its own process group: the command stops it and all it started (ssh included) at once.
     child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              start_new_session=True, preexec_fn=_end_with_parent)
@@ -568,31 +579,41 @@ def _run(command, environment, ranks, hosts, start_timeout_s, flavour="unknown",
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, forward)
-    monitor = _OutputMonitor(hosts, quiet_tensorflow=not config.tensorflow_startup_logs(), flavour=flavour,
-                             mpi_name=mpi_name)
+    monitor = _OutputMonitor(report_key, child.pid, hosts, quiet_tensorflow=not config.tensorflow_startup_logs(),
+                             flavour=flavour, mpi_name=mpi_name)
     pumps = [threading.Thread(target=monitor.pass_on_stdout, args=(child.stdout,), daemon=True),
              threading.Thread(target=monitor.pass_on_stderr, args=(child.stderr,), daemon=True)]
     for pump in pumps:
         pump.start()
     started_at = time.monotonic()
     stopped_because = None
+    interrupted_at = None
     while True:
         try:
             status = child.wait(timeout=0.2)
             break
         except subprocess.TimeoutExpired:
             pass
-        if interrupted or stopped_because:
-            continue
         now = time.monotonic()
+        if interrupted:
+            # An MPI launcher that lost a proxy may ignore SIGTERM; the command must still end.
+            interrupted_at = interrupted_at or now
+            if now - interrupted_at > _STOP_GRACE_S:
+                _signal_quietly(child.pid, signal.SIGKILL, group=True)
+            continue
+        if stopped_because:
+            continue
         if ranks and len(monitor.started) < ranks and now - started_at > start_timeout_s:
             stopped_because = monitor.start_failure(ranks, start_timeout_s)
-        elif monitor.failed and now - monitor.failed[0][-1] > _FAILURE_GRACE_S:
+        elif monitor.failed and now - monitor.failed[0].at > _FAILURE_GRACE_S:
             stopped_because = "failure"  # e.g. a rank failed before MPI started: the others wait in MPI
+        elif monitor.proxy_loss_settled(now):
+            stopped_because = "failure"  # the MPI launcher may wait for the lost proxy for ever
         elif ranks and monitor.every_rank_ended(ranks, now):
             stopped_because = "finished"
         if stopped_because:
             _stop(child)
+    monitor.stop_ranks_left_here()  # e.g. ranks whose proxy and MPI launcher were killed
     for pump in pumps:
         pump.join(timeout=5)
     if interrupted:
@@ -613,7 +634,8 @@ def _run(command, environment, ranks, hosts, start_timeout_s, flavour="unknown",
     refusal = monitor.launcher_refusal() if status > 0 and not stopped_because else None
     if refusal:
         return _report(refusal, code)
-    return _report(f"the job failed (exit status {code}): {monitor.failure()}", code)
+    killed_by = _signal_name(-status) if status < 0 and not stopped_because else None
+    return _report(f"the job failed (exit status {code}): {monitor.failure(status, killed_by)}", code)
 
 
 def _end_with_parent():
@@ -623,6 +645,13 @@ def _end_with_parent():
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG, Linux only
     except (OSError, AttributeError):
         pass
+
+
+def _signal_name(signum):
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _signal_quietly(pid, signum, group=False):
@@ -770,23 +799,59 @@ _ENDING_READERS = (_mpich_endings, _intel_mpi_endings, _open_mpi_endings)
 _REFUSAL_READERS = {"hydra": _hydra_refusal, "openmpi": _open_mpi_refusal}
 
 
+@dataclass
+class _FailureReport:
+    """What a rank reported about its failure."""
+    rank: int
+    host: str
+    pid: int
+    error: str  # the error's name, exit-status-N or mpi-abort-N
+    culprit: str  # OWN_FAILURE, UNKNOWN_CULPRIT, or the number of the rank whose failure caused this one
+    summary: str
+    at: float  # when it arrived (time.monotonic)
+
+    def describe(self):
+        if self.error.startswith("exit-status-"):
+            return f"rank {self.rank} on host {self.host} exited with status {self.error[len('exit-status-'):]}."
+        if self.error.startswith("mpi-abort-"):
+            return (f"rank {self.rank} on host {self.host} (pid {self.pid}) called MPI_Abort with status "
+                    f"{self.error[len('mpi-abort-'):]}.")
+        return f"rank {self.rank} on host {self.host} raised {self.error}" + (
+            f": {self.summary}." if self.summary else ".")
+
+
+@dataclass
+class _ProxyLoss:
+    """A parent of ranks on this host (the MPI launcher's proxy) that ended while they ran."""
+    name: str
+    pid: int
+    ranks: list
+    at: float
+
+
 class _OutputMonitor:
-    """Passes the ranks' output on unchanged, and keeps what names a failed rank."""
+    """Passes the ranks' output on unchanged, and keeps their reports (those carrying this job's
+    key) and what the MPI launcher says, to name the rank whose failure came first."""
 
     _KEPT_CHARACTERS = 1 << 16
 
-    def __init__(self, hosts_expected=(), quiet_tensorflow=True, flavour="unknown", mpi_name="the MPI"):
+    def __init__(self, report_key, launcher_pid, hosts_expected=(), quiet_tensorflow=True, flavour="unknown",
+                 mpi_name="the MPI"):
+        self._report_prefix = f"{RANK_ANNOUNCEMENT}{report_key} "
+        self.launcher_pid = launcher_pid
         self.hosts_expected = hosts_expected
         self.flavour = flavour
         self.mpi_name = mpi_name
         self.quiet_tensorflow = quiet_tensorflow
-        self.hosts = {}  # rank -> host
-        self.ranks_by_pid = {}  # pid -> {host: rank}
-        self.started = {}  # rank -> host, from the rank's first line
+        self.started = {}  # rank -> host, from the rank's first report
+        self.pids = {}  # rank -> pid
         self.finished = set()
         self.finished_at = {}  # rank -> when it announced the end of the program
-        self.failed = []  # (rank, host, how, when)
+        self.failed = []  # _FailureReport, in the order they arrived
         self.ended_at = {}  # rank -> when its process ended (ranks on this host)
+        self.proxy_losses = []
+        self._parents = {}  # pid of a parent of ranks on this host -> those ranks
+        self._running_here = {}  # rank -> pidfd of its process, while it runs on this host
         self.recent = ""
         self._lock = threading.Lock()
         self._broken_streams = set()
@@ -822,8 +887,8 @@ class _OutputMonitor:
             if not line.strip(b"\0"):  # prterun (Open MPI 5) ends its stderr with a NUL byte
                 continue
             text = line.decode(errors="replace")
-            if text.startswith(RANK_ANNOUNCEMENT):
-                self._note(text[len(RANK_ANNOUNCEMENT):].split())
+            if text.startswith(self._report_prefix):
+                self._note(text[len(self._report_prefix):].strip().split(maxsplit=6))
                 continue
             if self.quiet_tensorflow and (_TENSORFLOW_INFO_LINE.match(text) or text.startswith(
                     (_ABSL_BANNER, _CPU_FEATURES_CONTINUATION))):
@@ -831,36 +896,80 @@ class _OutputMonitor:
             self._write(sys.stderr, line)
             self._keep(text)
 
-    def _note(self, words):
-        if words[0] in (STARTED, FINISHED, FAILED):
-            event, rank, host, pid, *how = words
-            if not rank.isdigit():
-                return
-            rank = int(rank)
-            if event == STARTED:
-                self.started[rank] = host
-                self.ranks_by_pid.setdefault(pid, {})[host] = rank
-                if host == socket.gethostname():
-                    threading.Thread(target=self._watch, args=(rank, int(pid)), daemon=True).start()
-            elif event == FINISHED:
-                self.finished.add(rank)
-                self.finished_at[rank] = time.monotonic()
-            else:
-                self.failed.append((rank, host, how[0] if how else "an error", time.monotonic()))
+    def _note(self, fields):
+        """One report: EVENT RANK HOST PID, then the parent's pid (started) or ERROR CULPRIT
+        SUMMARY (failed)."""
+        if len(fields) < 4 or not fields[1].isdigit() or not fields[3].isdigit():
             return
-        rank, host, pid = words  # from tarantella.init(): the rank in MPI
-        self.hosts[int(rank)] = host
-        self.ranks_by_pid.setdefault(pid, {})[host] = int(rank)
+        event, rank, host, pid, *details = fields
+        rank = int(rank)
+        if event == STARTED:
+            self.started[rank] = host
+            self.pids[rank] = int(pid)
+            if host == socket.gethostname():
+                parent = int(details[0]) if details and details[0].isdigit() else None
+                self._watch_here(rank, int(pid), parent)
+        elif event == FINISHED:
+            self.finished.add(rank)
+            self.finished_at[rank] = time.monotonic()
+        elif event == FAILED:
+            error, culprit, summary = (details + ["an error", OWN_FAILURE, ""][len(details):])[:3]
+            self.failed.append(_FailureReport(rank, host, int(pid), error, culprit, summary, time.monotonic()))
 
-    def _watch(self, rank, pid):
-        """Notes when a rank's process on this host ends: the first to end is the one that left."""
+    def _watch_here(self, rank, pid, parent):
+        """Notes when a rank's process on this host ends (the first to end is the one that left),
+        and when its parent (the MPI launcher's proxy) ends while it still runs."""
         try:
             handle = os.pidfd_open(pid)
         except (OSError, AttributeError):
             return
+        self._running_here[rank] = handle
+        threading.Thread(target=self._wait_for_end, args=(rank, handle), daemon=True).start()
+        if parent is not None and parent not in self._parents:
+            self._parents[parent] = []
+            threading.Thread(target=self._watch_parent, args=(parent,), daemon=True).start()
+        if parent is not None:
+            self._parents[parent].append((rank, pid))
+
+    def _wait_for_end(self, rank, handle):
         select.select([handle], [], [])
         self.ended_at[rank] = time.monotonic()
+        with self._lock:
+            self._running_here.pop(rank, None)
         os.close(handle)
+
+    def _watch_parent(self, pid):
+        try:
+            handle = os.pidfd_open(pid)
+            with open(f"/proc/{pid}/comm") as file:
+                name = file.read().strip()
+        except (OSError, AttributeError):
+            return
+        select.select([handle], [], [])
+        os.close(handle)
+        # A proxy ends after its ranks, or kills them as it ends (after a rank failed or called
+        # MPI_Abort); they are gone a moment later. Ranks that lost their proxy live on a while.
+        time.sleep(_PROXY_LOSS_CHECK_S)
+        ranks = self._parents[pid]
+        if all(_running_on(rank_pid) for _, rank_pid in ranks):
+            self.proxy_losses.append(_ProxyLoss(name, pid, sorted(rank for rank, _ in ranks), time.monotonic()))
+
+    def proxy_loss_settled(self, now):
+        """True once a proxy on this host was lost and its ranks have ended since (they end
+        themselves when their parent is gone), or a grace period passed."""
+        return any(all(rank in self.ended_at for rank in loss.ranks) or now - loss.at > _FAILURE_GRACE_S
+                   for loss in self.proxy_losses)
+
+    def stop_ranks_left_here(self):
+        """Kills the ranks on this host that still run once the MPI launcher is gone: nothing
+        else would ever stop them."""
+        with self._lock:
+            handles = list(self._running_here.values())
+        for handle in handles:
+            try:
+                signal.pidfd_send_signal(handle, signal.SIGKILL)
+            except OSError:  # it ended meanwhile
+                pass
 
     def every_rank_ended(self, ranks, now):
         """Whether all `ranks` finished the program and their processes are gone (on this host,
@@ -885,9 +994,9 @@ class _OutputMonitor:
                 f"(TNT_START_TIMEOUT){where}. Check that `ssh HOST true` works for every host without a "
                 "password, and that the hosts can reach each other.")
 
-    def _first_rank_to_end(self):
+    def _first_rank_to_end(self, excluding=()):
         """Of the ranks on this host that did not finish the program, the first whose process ended."""
-        gone = [rank for rank in self.ended_at if rank not in self.finished]
+        gone = [rank for rank in self.ended_at if rank not in self.finished and rank not in excluding]
         return min(gone, key=self.ended_at.get) if gone else None
 
     def ranks_that_left_early(self, status_known_zero=True):
@@ -905,62 +1014,122 @@ class _OutputMonitor:
                 "os._exit), and the MPI launcher stopped the other ranks. Their unfinished work (saves, "
                 "output) is lost. End a rank by returning from the program or with sys.exit.")
 
-    def failure(self):
-        """Which rank failed, on which host, and how, as far as the output tells."""
-        text = self.recent
-        raised = re.search(r"tarantella: rank (\d+) on host (\S+) failed with (\w+)(?:: (.*?))?; stopping all "
-                           r"ranks\.", text)
-        if raised:
-            rank, host, error, summary = raised.groups()
-            return f"rank {rank} on host {host} raised {error}" + (f": {summary}." if summary else ".")
-        if self.failed:
-            rank, host, how, _ = self.failed[0]
-            if how.startswith("exit-status-"):
-                return f"rank {rank} on host {host} exited with status {how[len('exit-status-'):]}."
-            return f"rank {rank} on host {host} raised {how}."
-        aborted = re.search(r"Abort\((\d+)\) on node \d+ \(rank (\d+) in comm 0\)", text)
-        if aborted:
-            rank = int(aborted.group(2))
-            return f"rank {rank} on host {self.hosts.get(rank, '?')} exited with status {aborted.group(1)}."
-        return self._rank_that_ended() or "see the ranks' messages above."
+    def failure(self, status, launcher_killed_by=None):
+        """Which rank failed first, on which host, and how: from the ranks' reports and what this
+        command saw on this host; the MPI launcher's words only for ranks elsewhere."""
+        first_report = self.failed[0].at if self.failed else float("inf")
+        if launcher_killed_by:
+            return (f"the MPI launcher (pid {self.launcher_pid}) was killed by {launcher_killed_by} while the "
+                    f"ranks ran; the command stopped the ranks left on this host.")
+        losses = [loss for loss in self.proxy_losses if loss.at < first_report]
+        if losses:
+            loss = losses[0]
+            ranks = ", ".join(map(str, loss.ranks))
+            who = "the MPI launcher" if loss.pid == self.launcher_pid else "the MPI launcher's proxy"
+            return (f"{who} on host {socket.gethostname()} ({loss.name}, pid {loss.pid}) ended while rank(s) {ranks} "
+                    "ran there (killed, e.g. by the out-of-memory killer, or its ssh connection dropped); the "
+                    "ranks were stopped.")
+        causes = [report for report in self.failed if report.culprit == OWN_FAILURE]
+        if causes:
+            return causes[0].describe()
+        aborted = self._aborted(status)
+        if aborted is not None:
+            return aborted
+        ended = self._ended_without_a_report(before=first_report)
+        if ended is not None:
+            return ended
+        consequence = self._consequence_naming_the_culprit()
+        if consequence is not None:
+            return consequence.describe()
+        if not self.started:
+            return "the MPI launcher ended before any rank started; see its messages above."
+        unfinished = sorted(set(self.started) - self.finished)
+        if unfinished:
+            # E.g. a proxy on another host lost: MPICH's mpiexec then ends at once, before the
+            # ranks there or their peers can report.
+            listing = ", ".join(f"rank {rank} on host {self.started[rank]}" for rank in unfinished)
+            return (f"the MPI launcher ended while {listing} had not finished, and no rank reported a failure: "
+                    "it lost one of its own processes (a proxy killed, or an ssh connection dropped); see its "
+                    "messages above.")
+        return "no rank reported a failure; see the MPI launcher's messages above."
 
-    def _rank_that_ended(self):
-        """The rank whose end made the MPI launcher stop the job: the one whose process here ended
-        first, else the first the MPI's own message names; how it ended, as the MPI says."""
+    def _aborted(self, status):
+        """The rank that called MPI_Abort itself without tarantella's report (a program without
+        tarantella, or one that kept MPI.COMM_WORLD from before `import tarantella`), as its MPI
+        library says, where that agrees with the job's exit status. (The MPI launcher kills the
+        other ranks while the aborting one waits, so it is not the first to end; and it may drop
+        this message.)"""
+        for pattern in (r"Abort\((?P<code>\d+)\) on node \d+ \(rank (?P<rank>\d+) in comm 0\)",  # MPICH
+                        r"MPI_ABORT was invoked on rank (?P<rank>\d+) in communicator MPI_COMM_WORLD\s+with "
+                        r"errorcode (?P<code>\d+)"):  # Open MPI
+            for match in re.finditer(pattern, self.recent):
+                rank, code = int(match["rank"]), int(match["code"])
+                if code == status and rank in self.started and not any(r.rank == rank for r in self.failed):
+                    return (f"rank {rank} on host {self.started[rank]} (pid {self.pids[rank]}) called MPI_Abort "
+                            f"with status {code}.")
+        return None
+
+    def _ended_without_a_report(self, before):
+        """A rank that ended, without a report of its own and without finishing, before any failure
+        report arrived. On this host the first to end: as the MPI launcher says it ended, or, where
+        it names no signal or error for that very process, as having left early. Elsewhere, only a
+        rank the MPI launcher says ended abnormally."""
+        reported = {report.rank for report in self.failed}
         endings = [ending for read in _ENDING_READERS for ending in read(self.recent)]
+        first = self._first_rank_to_end(excluding=reported)
+        if first is not None and self.ended_at[first] < before:
+            said = [ending for ending in endings if self._is_process_of(ending, first)]
+            if said and said[0].how:
+                return (f"rank {first} on host {self.started[first]} (pid {self.pids[first]}) ended: "
+                        f"{said[0].how}.")
+            return self.ranks_that_left_early(status_known_zero=bool(said))
+        here = socket.gethostname()
         for ending in endings:
-            if ending.rank is None:
-                ending.rank = self._rank_of(ending.pid, ending.host)
-        first = self._first_rank_to_end()
-        if first is not None:
-            reported = [ending for ending in endings if ending.rank == first]
-            if not reported or reported[0].how is None:  # the MPI saw no signal or error: status 0, or unknown
-                return self.ranks_that_left_early(status_known_zero=bool(reported))
-            ending = reported[0]
-        elif endings:
-            ending = endings[0]
-        else:
-            return None
-        if ending.how is None:
-            return self.ranks_that_left_early()
-        host = ending.host or self.started.get(ending.rank, "?")
-        return f"rank {ending.rank} on host {host}" + (f" (pid {ending.pid})" if ending.pid else "") + \
-            f" ended: {ending.how}."
+            for rank, host in self.started.items():
+                if (host != here and rank not in self.finished and rank not in reported and ending.how
+                        and self._is_process_of(ending, rank)):
+                    return f"rank {rank} on host {host} (pid {self.pids[rank]}) ended: {ending.how}."
+        return None
+
+    def _is_process_of(self, ending, rank):
+        """Whether the MPI launcher's `ending` is about this job's `rank`: its very pid (on the rank's
+        host, where the MPI names one), or its rank where the MPI names no pid."""
+        if ending.rank is not None and ending.rank != rank:
+            return False
+        if not ending.pid:
+            return ending.rank == rank
+        if ending.pid != str(self.pids.get(rank)):
+            return False
+        # The MPI may name the host as the hostfile does (an address): then the pid alone must tell.
+        host = ending.host.split(".")[0]
+        alike = [other for other, pid in self.pids.items() if str(pid) == ending.pid]
+        return not host or host == self.started.get(rank, "").split(".")[0] or ending.rank == rank or alike == [rank]
+
+    def _consequence_naming_the_culprit(self):
+        """The report that names the first rank in a chain of consequences (the rank that
+        failed first, without reporting it), else a report of a broken MPI call."""
+        by_rank = {}
+        for report in self.failed:
+            by_rank.setdefault(report.rank, report)
+        for report in self.failed:
+            seen = set()
+            while report.culprit.isdigit() and int(report.culprit) in by_rank and report.rank not in seen:
+                seen.add(report.rank)
+                blamed = by_rank[int(report.culprit)]
+                if blamed.culprit == UNKNOWN_CULPRIT:
+                    break
+                report = blamed
+            if report.culprit != UNKNOWN_CULPRIT:
+                return report
+        return self.failed[0] if self.failed else None
 
     def launcher_refusal(self):
         """One line naming the MPI, the cause and the fix, when the MPI launcher refused to start the
         job (no rank started, and its message is one this command knows); else None."""
         read = _REFUSAL_READERS.get(self.flavour)
-        if not read or self.started or self.hosts:
+        if not read or self.started:
             return None
         return read(self.recent, self.mpi_name)
-
-    def _rank_of(self, pid, host):
-        # MPI names the host as the hostfile does (maybe an address), the rank by its host name.
-        candidates = self.ranks_by_pid.get(pid, {})
-        if host in candidates or host.split(".")[0] in candidates:
-            return candidates.get(host, candidates.get(host.split(".")[0]))
-        return next(iter(candidates.values())) if len(candidates) == 1 else "?"
 
 
 # -- cleanup -------------------------------------------------------------------------------------
@@ -1048,6 +1217,16 @@ def _running(pid):
             return file.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _running_on(pid):
+    """True while the process runs and is not being torn down (e.g. after SIGKILL)."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            fields = file.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] not in ("Z", "X") and not int(fields[6]) & _EXITING
 
 
 if __name__ == "__main__":

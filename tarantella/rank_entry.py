@@ -1,10 +1,17 @@
-"""What each rank started by the `tarantella` command runs: `python rank_entry.py program ...`.
+"""What each rank started by the `tarantella` command runs:
+`python rank_entry.py --report-key=KEY program ...`.
 
 It runs the program as `python -m mpi4py` does (an uncaught error or a non-zero exit ends
-the whole job through MPI_Abort), and tells the command on stderr when the rank started,
-finished the program, or failed. So the command can bound the start-up, end a job whose
-rank failed before MPI started (the others would wait in MPI's start-up for ever), and tell
-a rank that vanished with status 0 (`os._exit(0)`) from one that finished.
+the whole job through MPI_Abort), and reports to the command on stderr when the rank started,
+finished the program, or failed (with the error, and the rank that caused it when the error
+is a consequence of another rank's failure). So the command can bound the start-up, end a job
+whose rank failed before MPI started (the others would wait in MPI's start-up for ever), tell
+a rank that vanished with status 0 (`os._exit(0)`) from one that finished, and name the rank
+whose failure came first.
+
+Every report carries KEY, which the command makes up for each job: a line the program prints
+(an old log, a copy of another job's output) cannot pass for a report. The key is taken out
+of the program's arguments before it runs.
 
 It is run as a file, not as `-m tarantella....`: importing the tarantella package would
 start MPI and TensorFlow before the program's first line.
@@ -13,20 +20,43 @@ start MPI and TensorFlow before the program's first line.
 import os
 import socket
 import sys
+import threading
 import time
 
-# Every line the command keeps to itself starts so; the launcher imports these names.
+# Every report starts so, followed at once by the job's key; the launcher imports these names.
 RANK_ANNOUNCEMENT = "tarantella-rank-announcement:"
+REPORT_KEY_OPTION = "--report-key="
 STARTED, FINISHED, FAILED = "started", "finished", "failed"
+# The culprit field of a failure report: the rank's own failure, or one seen in a broken MPI
+# call whose cause MPI does not tell; otherwise the number of the rank that caused it.
+OWN_FAILURE, UNKNOWN_CULPRIT = "-", "?"
 _OUTPUT_GRACE_S = 1.0
+_PARENT_CHECK_S = 0.5
+_ORPHAN_GRACE_S = 1.0
 # Where MPI launchers put the rank before MPI starts: Hydra, Open MPI, PMIx, Slurm.
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+PARENT_WATCH_THREAD = "tarantella-parent-watch"
+
+_report_key = None  # this job's key; None where the `tarantella` command did not start the rank
+_failure_reported = False
+
+
+def launcher_rank():
+    return next((os.environ[name] for name in _RANK_VARIABLES if os.environ.get(name)), "?")
+
+
+def reports_to_the_command():
+    return bool(_report_key)
 
 
 def announce(event, *details):
-    rank = next((os.environ[name] for name in _RANK_VARIABLES if os.environ.get(name)), "?")
-    write_to_process_stderr(" ".join([RANK_ANNOUNCEMENT, event, rank, socket.gethostname(), str(os.getpid()),
-                                      *details]))
+    global _failure_reported
+    if _report_key is None:
+        return
+    _failure_reported = _failure_reported or event == FAILED
+    line = " ".join([RANK_ANNOUNCEMENT + _report_key, event, launcher_rank(), socket.gethostname(),
+                     str(os.getpid()), *details])
+    write_to_process_stderr(" ".join(line.split()))  # one line, whatever a summary holds
 
 
 def write_to_process_stderr(line):
@@ -44,22 +74,83 @@ def write_to_process_stderr(line):
         pass
 
 
+def describe_failure(error):
+    """(error name, culprit field, one-line summary or "") for the report of an uncaught `error`."""
+    communication = sys.modules.get("tarantella.communication")
+    if communication is not None:  # TensorFlow wraps tarantella's errors raised inside a step
+        error = communication.collective_failure_behind(error) or error
+    culprit = getattr(error, "culprit", None)
+    mpi = sys.modules.get("mpi4py.MPI")
+    if culprit is None and mpi is not None and isinstance(error, mpi.Exception):
+        culprit = UNKNOWN_CULPRIT  # a broken MPI call: another rank's failure, most likely
+    summary = getattr(error, "summary", None) or ""
+    return type(error).__name__, OWN_FAILURE if culprit is None else str(culprit), " ".join(summary.split())
+
+
+def report_mpi_abort(status):
+    """Reports that the program calls MPI_Abort, unless this rank reported its failure already:
+    the MPI launcher kills the other ranks while this one waits, and may drop the MPI
+    library's own message, so only this report can name the rank."""
+    if reports_to_the_command() and not _failure_reported:
+        announce(FAILED, f"mpi-abort-{status}", OWN_FAILURE)
+        time.sleep(_OUTPUT_GRACE_S)  # MPI stops passing on this rank's output once it aborts
+
+
+def watch_parent():
+    """Ends this rank when its parent, the MPI launcher's proxy on this host, is gone (killed, or
+    its ssh connection dropped): MPI could no longer end the rank, which would run on for ever.
+    Tells the other ranks first (when tarantella runs here), so that they fail naming this one."""
+    if any(thread.name == PARENT_WATCH_THREAD for thread in threading.enumerate()):
+        return
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/comm") as file:
+            parent_name = file.read().strip()
+    except OSError:
+        parent_name = "the MPI launcher's proxy"
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(_PARENT_CHECK_S)
+        summary = (f"rank {launcher_rank()} on host {socket.gethostname()} lost its MPI proxy ({parent_name}, pid "
+                   f"{parent}): it ended (killed, or its ssh connection dropped), so this rank stopped")
+        write_to_process_stderr(f"tarantella: {summary}.")
+        communication = sys.modules.get("tarantella.communication")
+        if communication is not None:
+            communication.tell_other_ranks_this_one_failed(summary)
+        # A moment longer: the `tarantella` command tells ranks that outlive their proxy from
+        # ranks their proxy killed as it ended.
+        time.sleep(_ORPHAN_GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name=PARENT_WATCH_THREAD, daemon=True).start()
+
+
 def main():
+    global _report_key
     # Run as a file, Python put this file's folder first on the path, where tarantella's modules
     # would hide the program's own (data.py, config.py, ...). The program's folder goes there.
     sys.path[0] = os.getcwd()
+    # tarantella, once the program imports it, reports through this module, which holds the key.
+    sys.modules["tarantella.rank_entry"] = sys.modules[__name__]
+    arguments = sys.argv[1:]
+    if arguments and arguments[0].startswith(REPORT_KEY_OPTION):
+        _report_key = arguments.pop(0)[len(REPORT_KEY_OPTION):]
+    else:  # started by hand: reports that no command reads
+        _report_key = ""
     from mpi4py.run import run_command_line, set_abort_status
 
-    announce(STARTED)
+    announce(STARTED, str(os.getppid()))
+    watch_parent()
     try:
-        run_command_line(sys.argv[1:])
+        run_command_line(arguments)
     except SystemExit as exit:
         status = exit.code
         if status in (None, 0):
             announce(FINISHED)
         else:
             status = status if isinstance(status, int) else 1
-            announce(FAILED, f"exit-status-{status}")
+            announce(FAILED, f"exit-status-{status}", OWN_FAILURE)
             _abort_at_once(status)
         set_abort_status(exit)
         raise
@@ -67,7 +158,7 @@ def main():
         set_abort_status(interrupt)
         raise
     except BaseException as error:
-        announce(FAILED, type(error).__name__)
+        announce(FAILED, *describe_failure(error))
         set_abort_status(1)
         raise
     announce(FINISHED)

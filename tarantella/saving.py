@@ -62,7 +62,9 @@ def write_whole(filepath, write, overwrite=True, save_all_devices=False):
         failed = [(rank, report) for rank, report in enumerate(reports) if report]
         if failed and error is None:
             rank, report = failed[0]
-            raise OSError(f"Saving {path} failed on rank {rank}: {report}")
+            consequence = OSError(f"Saving {path} failed on rank {rank}: {report}")
+            consequence.culprit = rank  # the launcher names that rank, whose own error is the cause
+            raise consequence
     if error is not None:
         raise error
 

@@ -8,12 +8,13 @@ import signal
 import socket
 import subprocess
 import textwrap
+import threading
 import time
 import uuid
 
 import pytest
 
-from conftest import WORKERS, launcher_command, quiet_env
+from conftest import WORKERS, launch, launcher_command, quiet_env
 
 PLAIN = WORKERS / "plain_ranks.py"
 
@@ -123,8 +124,8 @@ def test_a_child_process_left_running_does_not_keep_the_finished_job_alive():
     assert "a process a rank started still held the ranks' output open" in stderr, stderr
 
 
-def _start_running_ranks(marker):
-    launcher = start("-n", "2", "--no-gpu", "--", str(PLAIN), "run-forever", marker, stdout=subprocess.DEVNULL,
+def _start_running_ranks(marker, scenario="run-forever"):
+    launcher = start("-n", "2", "--no-gpu", "--", str(PLAIN), scenario, marker, stdout=subprocess.DEVNULL,
                      stderr=subprocess.PIPE)
     running = 0
     for line in launcher.stderr:
@@ -184,3 +185,155 @@ def test_a_host_that_never_answers_ends_the_start_up_after_the_bound_naming_it(t
                                         "within 3 s (TNT_START_TIMEOUT); hosts that never joined: "
                                         "unreachable-node."), stderr
     assert leftovers == []
+
+
+# -- the culprit comes from the ranks' own reports, the first failure wins (issue 20, points 1, 4, 7)
+
+def _end_after(launcher, marker, fault):
+    """Does `fault()` to the running job; returns (exit status, stderr, seconds from the fault to
+    the command's end, processes of the job left 5 s later)."""
+    rest = []  # read on from where _start_running_ranks stopped, in the stream's own buffer
+    reader = threading.Thread(target=lambda: rest.append(launcher.stderr.read()), daemon=True)
+    reader.start()
+    fault()
+    faulted = time.monotonic()
+    try:
+        launcher.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the job did not end within 30 s of the fault") from None
+    seconds = time.monotonic() - faulted
+    reader.join(timeout=10)
+    return launcher.returncode, "".join(rest), seconds, wait_until_gone(marker, 5)
+
+
+def _ranks_of(marker):
+    """The ranks' processes (python rank_entry.py ...), not the MPI launcher, whose command line names them."""
+    ranks = []
+    for entry in processes_naming(marker):
+        pid, command_line = entry.split(": ", 1)
+        if os.path.basename(command_line.split()[0]).startswith("python") and "rank_entry.py" in command_line:
+            ranks.append(int(pid))
+    return ranks
+
+
+def _parent_of(pid):
+    with open(f"/proc/{pid}/stat") as file:
+        return int(file.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_killing_the_mpi_proxy_ends_the_job_naming_the_proxy_and_its_host():
+    # A proxy ends with its ssh connection or by the OOM killer. The ranks trained on for ever,
+    # and the MPI launcher (MPICH's) either waited for ever too or ended blaming no one.
+    marker = f"marker-{uuid.uuid4().hex}"
+    launcher = _start_running_ranks(marker)
+    try:
+        proxy = _parent_of(_ranks_of(marker)[0])
+        returncode, stderr, seconds, leftovers = _end_after(launcher, marker, lambda: os.kill(proxy, signal.SIGKILL))
+    finally:
+        stop_leftovers(launcher, marker)
+    assert returncode not in (0, None), stderr
+    assert seconds < 10
+    assert re.fullmatch(rf"tarantella: the job failed \(exit status \d+\): the MPI launcher's proxy on host "
+                        rf"{re.escape(socket.gethostname())} \(hydra_pmi_proxy, pid {proxy}\) ended while rank\(s\) "
+                        r"0, 1 ran there .*", last_line(stderr)), stderr
+    assert leftovers == []
+
+
+def test_killing_the_mpi_launcher_itself_ends_the_job_saying_so():
+    # The last line said "see the ranks' messages above", and there were none.
+    marker = f"marker-{uuid.uuid4().hex}"
+    launcher = _start_running_ranks(marker)
+    try:
+        mpiexec = _parent_of(_parent_of(_ranks_of(marker)[0]))
+        returncode, stderr, seconds, leftovers = _end_after(launcher, marker,
+                                                            lambda: os.kill(mpiexec, signal.SIGKILL))
+    finally:
+        stop_leftovers(launcher, marker)
+    assert returncode == 128 + signal.SIGKILL, stderr
+    assert seconds < 10
+    assert last_line(stderr) == (f"tarantella: the job failed (exit status 137): the MPI launcher (pid {mpiexec}) was "
+                                 "killed by SIGKILL while the ranks ran; the command stopped the ranks left on this "
+                                 "host."), stderr
+    assert leftovers == []
+
+
+def _seconds_after_rank_1_failed(stderr):
+    return time.time() - float(re.search(r"rank 1: failing at ([\d.]+)", stderr).group(1))
+
+
+def test_failure_lines_the_program_printed_itself_do_not_name_the_culprit():
+    # Rank 0 printed an old failure line (and report lines without this job's key); the real failure
+    # came later, on rank 1, and was reported as rank 0's.
+    returncode, _, stderr, _ = run_plain_job("old-failure-lines-then-rank-1-raises", timeout=30)
+    assert returncode == 1, stderr
+    assert _seconds_after_rank_1_failed(stderr) < 10
+    assert last_line(stderr) == (f"tarantella: the job failed (exit status 1): rank 1 on host {socket.gethostname()} "
+                                 "raised RuntimeError."), stderr
+    assert stderr.count("tarantella-rank-announcement:") == 2, "the program's own lines are shown as they are"
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A folder on a file system of one page, nearly full."""
+    folder = tmp_path / "full"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def test_a_full_disk_during_a_save_names_the_master_that_failed_to_write(full_disk):
+    # Both ranks raise OSError (rank 1 because the master's save failed); whichever wrote first
+    # was named, mostly rank 1.
+    started = time.monotonic()
+    process = launch(2, WORKERS / "scenarios.py", "save-into", full_disk, options=["--no-gpu"], timeout=120)
+    failed_at = float(re.search(r"rank 0: failing at ([\d.]+)", process.stderr).group(1))
+    assert process.returncode == 1, process.stderr
+    assert time.time() - failed_at < 10 and time.monotonic() - started < 100
+    assert "failed on rank 0: OSError: [Errno 28] No space left on device" in process.stderr  # rank 1's error
+    assert last_line(process.stderr) == (f"tarantella: the job failed (exit status 1): rank 0 on host "
+                                         f"{socket.gethostname()} raised OSError."), process.stderr
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_worker_processes_a_rank_starts_run_as_plain_processes_outside_the_job(method):
+    # The workers import the program, and with it tarantella, which joined MPI with the rank's
+    # variables: endless PMI_Init errors, and the job never ended.
+    process = launch(2, WORKERS / "scenarios.py", "worker-pool", method, options=["--no-gpu"], timeout=120)
+    assert process.returncode == 0, process.stderr
+    for rank in (0, 1):
+        assert f"rank {rank}: {method} workers gave [(4, 1), (9, 1)]" in process.stderr, process.stderr
+    assert "PMI" not in process.stderr, process.stderr
+
+
+def test_ctrl_c_ends_the_job_even_when_the_ranks_ignore_sigterm():
+    # The MPI launcher passed SIGTERM on and waited for the ranks for ever, and so did the
+    # command, through every further Ctrl+C or SIGTERM.
+    marker = f"marker-{uuid.uuid4().hex}"
+    launcher = _start_running_ranks(marker, "run-forever-ignoring-sigterm")
+    try:
+        returncode, stderr, seconds, leftovers = _end_after(launcher, marker,
+                                                            lambda: launcher.send_signal(signal.SIGINT))
+    finally:
+        stop_leftovers(launcher, marker)
+    assert returncode == 128 + signal.SIGINT, stderr
+    assert seconds < 10
+    assert last_line(stderr) == "tarantella: stopped every rank on SIGINT.", stderr
+    assert leftovers == []
+
+
+def test_an_mpi_launcher_that_fails_before_any_rank_starts_is_said_to():
+    # ulimit -n 16: Hydra's proxy cannot make the ranks' pipes. The last line said "see the
+    # ranks' messages above", and no rank had run.
+    import resource
+    returncode, _, stderr, seconds = run_plain_job(
+        "run-forever", timeout=30, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (16, 16)))
+    assert returncode == 255, stderr
+    assert seconds < 10
+    assert "Too many open files" in stderr
+    assert last_line(stderr) == ("tarantella: the job failed (exit status 255): the MPI launcher ended before any "
+                                 "rank started; see its messages above."), stderr

@@ -6,7 +6,10 @@ result must equal serial Keras. Needs root and `ip` (CI runs as root); skipped o
 """
 
 import os
+import re
+import signal
 import subprocess
+import threading
 import time
 
 import numpy as np
@@ -22,7 +25,8 @@ CASES = "mlp-adam,wide-mlp-adam"  # the wide MLP's 1 MiB gradients take the ring
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
     with namespace_hosts(HOSTS, tmp_path_factory.mktemp("hosts")) as made:
-        yield {"hostfile": made.hostfile, "env": {"HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": str(made.ssh)}}
+        yield {"hostfile": made.hostfile, "namespaces": made.namespaces,
+               "env": {"HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": str(made.ssh)}}
 
 
 def load(path):
@@ -69,3 +73,58 @@ def test_cleanup_runs_on_every_host_of_the_hostfile(hosts):
     assert_ok(process)
     reports = [line for line in process.stdout.splitlines() if f"running nothing_runs_this_{os.getpid()}.py" in line]
     assert len(reports) == HOSTS and all("sent SIGTERM to 0 process(es)" in line for line in reports), reports
+
+
+def _processes_in(namespaces):
+    return [pid for namespace in namespaces for pid in subprocess.run(
+        ["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()]
+
+
+def test_a_host_whose_mpi_proxy_dies_is_named_and_the_job_ends(hosts):
+    # On a cluster the proxy dies with its ssh connection or by the OOM killer. Its rank trained
+    # on for ever, unseen by the command, while the others waited for it. Each "host" has a host
+    # name of its own, so the command cannot watch its processes.
+    launcher = subprocess.Popen(
+        launcher_command() + ["--hostfile", str(hosts["hostfile"]), "--no-gpu", "--", str(WORKERS / "scenarios.py"),
+                              "train-until-interrupted"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env=quiet_env(**hosts["env"]))
+    try:
+        training = 0
+        for line in launcher.stderr:
+            training += line.endswith(": training\n")
+            if training == HOSTS:
+                break
+        third_host = _processes_in(hosts["namespaces"][-1:])
+        proxy = next(int(pid) for pid in third_host if os.path.basename(
+            open(f"/proc/{pid}/cmdline").read().split("\0")[0]) == "hydra_pmi_proxy")
+        rest = []
+        reader = threading.Thread(target=lambda: rest.append(launcher.stderr.read()), daemon=True)
+        reader.start()
+        os.kill(proxy, signal.SIGKILL)
+        killed = time.monotonic()
+        launcher.wait(timeout=30)
+        seconds = time.monotonic() - killed
+        reader.join(timeout=10)
+        deadline = time.monotonic() + 5
+        while _processes_in(hosts["namespaces"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        leftovers = _processes_in(hosts["namespaces"])
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    stderr = "".join(rest)
+    assert launcher.returncode not in (0, None), stderr
+    assert seconds < 10
+    third = re.escape(hosts["namespaces"][-1])
+    named = (rf"rank [01] on host \S+ raised RankFailedError: rank 2 on host {third} lost its MPI proxy "
+             rf"\(hydra_pmi_proxy, pid {proxy}\): it ended \(killed, or its ssh connection dropped\), so this rank "
+             r"stopped\.")
+    # MPICH's mpiexec mostly ends at once when a proxy's connection closes, taking every
+    # rank's output with it: then no rank can report, and the line says what happened.
+    ended_at_once = (r"the MPI launcher ended while rank 0 on host \S+, rank 1 on host \S+, rank 2 on host "
+                     rf"{third} had not finished, and no rank reported a failure: it lost one of its own processes "
+                     r"\(a proxy killed, or an ssh connection dropped\); see its messages above\.")
+    assert re.fullmatch(rf"tarantella: the job failed \(exit status \d+\): (?:{named}|{ended_at_once})",
+                        stderr.strip().splitlines()[-1]), stderr
+    assert leftovers == []

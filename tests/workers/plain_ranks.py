@@ -35,10 +35,33 @@ def start_a_child(marker):
     sys.stdout.write(f"rank {MPI.COMM_WORLD.Get_rank()} done\n")
 
 
-def run_forever():
+def run_forever(ignore_sigterm=False):
+    if ignore_sigterm:  # a program that blocks SIGTERM (or whose handler does not end it)
+        import signal
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from mpi4py import MPI
     sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()}: running\n")
     sys.stderr.flush()
+    while True:
+        time.sleep(0.1)
+
+
+def old_failure_lines_then_rank_1_raises():
+    """Rank 0 prints what looks like failure reports (a log of an earlier job), then rank 1 fails."""
+    import socket
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        host = socket.gethostname()
+        sys.stderr.write(f"tarantella: rank 0 on host {host} failed with ValueError; stopping all ranks.\n"
+                         f"tarantella-rank-announcement: failed 0 {host} {os.getpid()} ValueError - old\n"
+                         f"tarantella-rank-announcement:0123456789abcdef0123456789abcdef failed 0 {host} "
+                         f"{os.getpid()} ValueError - old\n")
+        sys.stderr.flush()
+    MPI.COMM_WORLD.Barrier()
+    if MPI.COMM_WORLD.Get_rank() == 1:
+        sys.stderr.write(f"rank 1: failing at {time.time():.3f}\n")
+        sys.stderr.flush()
+        raise RuntimeError("the real failure")
     while True:
         time.sleep(0.1)
 
@@ -63,4 +86,6 @@ if __name__ == "__main__":
     elif sys.argv[1] == "fail-on-attempts":
         fail_on_attempts(sys.argv[2])
     else:
-        {"fail-before-mpi": fail_before_mpi, "chatter": chatter, "run-forever": run_forever}[sys.argv[1]]()
+        {"fail-before-mpi": fail_before_mpi, "chatter": chatter, "run-forever": run_forever,
+         "run-forever-ignoring-sigterm": lambda: run_forever(ignore_sigterm=True),
+         "old-failure-lines-then-rank-1-raises": old_failure_lines_then_rank_1_raises}[sys.argv[1]]()

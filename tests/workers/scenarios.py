@@ -85,6 +85,11 @@ def os_exit_0_on_rank_1():
     train_until_rank_1_fails(lambda: os._exit(0))
 
 
+def mpi_abort_on_rank_1():
+    from mpi4py import MPI
+    train_until_rank_1_fails(lambda: MPI.COMM_WORLD.Abort(3))
+
+
 def stop_rank_1():
     train_until_rank_1_fails(lambda: os.kill(os.getpid(), signal.SIGSTOP))
 
@@ -325,6 +330,29 @@ def numpy_input_edges():
         report(f"mismatch {error}")
 
 
+def save_into(folder):
+    """After training, every rank saves (the master writes) into `folder`."""
+    model = compiled()
+    model.fit(dataset(), epochs=1, verbose=0)
+    if tnt.is_master_rank():
+        sys.stderr.write(f"rank 0: failing at {time.time():.3f}\n")  # if the folder's disk is full
+        sys.stderr.flush()
+    model.save(os.path.join(folder, "model.keras"))
+
+
+def _square_and_size(number):
+    return number * number, tnt.get_size()
+
+
+def worker_pool(method):
+    """A pool of processes started with `method` (a data loader's workers): they import this
+    file, and with it tarantella, as plain processes of their own."""
+    import multiprocessing
+    with multiprocessing.get_context(method).Pool(1) as pool:
+        results = pool.map(_square_and_size, [2, 3])
+    sys.stderr.write(f"rank {tnt.get_rank()}: {method} workers gave {results}\n")
+
+
 SCENARIOS = {
     "numpy-input-edges": numpy_input_edges,
     "on-batch-methods": on_batch_methods,
@@ -336,6 +364,7 @@ SCENARIOS = {
     "exit-0-on-rank-1": exit_0_on_rank_1,
     "os-exit-0-on-rank-1": os_exit_0_on_rank_1,
     "stop-rank-1": stop_rank_1,
+    "mpi-abort-on-rank-1": mpi_abort_on_rank_1,
     "evaluate-while-fit": evaluate_while_fit,
     "different-optimizers": different_optimizers,
     "master-callback-fails": master_callback_fails,
@@ -350,6 +379,8 @@ SCENARIOS = {
     "batchnorm-empty-micro-batches": batchnorm_with_empty_micro_batches,
     "predict-uncompiled-dict-outputs": predict_uncompiled_dict_outputs,
     "xla-requested": xla_requested,
+    "save-into": lambda: save_into(sys.argv[2]),
+    "worker-pool": lambda: worker_pool(sys.argv[2]),
 }
 
 if __name__ == "__main__":
