@@ -1092,18 +1092,16 @@ class _OutputMonitor:
         return None
 
     def _is_process_of(self, ending, rank):
-        """Whether the MPI launcher's `ending` is about this job's `rank`: its very pid (on the rank's
-        host, where the MPI names one), or its rank where the MPI names no pid."""
-        if ending.rank is not None and ending.rank != rank:
-            return False
-        if not ending.pid:
+        """Whether the MPI launcher's `ending` is about this job's `rank`: by the rank where the MPI
+        names it (Open MPI 4 may give pid 0), else by its very pid."""
+        if ending.rank is not None:
             return ending.rank == rank
         if ending.pid != str(self.pids.get(rank)):
             return False
         # The MPI may name the host as the hostfile does (an address): then the pid alone must tell.
         host = ending.host.split(".")[0]
         alike = [other for other, pid in self.pids.items() if str(pid) == ending.pid]
-        return not host or host == self.started.get(rank, "").split(".")[0] or ending.rank == rank or alike == [rank]
+        return not host or host == self.started.get(rank, "").split(".")[0] or alike == [rank]
 
     def _consequence_naming_the_culprit(self):
         """The report that names the first rank in a chain of consequences (the rank that
