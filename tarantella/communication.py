@@ -644,19 +644,32 @@ def _started_by_an_mpi_launcher():
                                                                          int(slurm_tasks) > 1)
 
 
-def _check_srun_reached_mpi(size):
-    """srun started several tasks but MPI sees one: srun's PMI plug-in (--mpi) does not suit this MPI
-    library, which then makes every task a job of its own. Each would train alone, all as the
-    master, writing the same files."""
-    tasks = os.environ.get("PMI_SIZE") or os.environ.get("SLURM_STEP_NUM_TASKS", "")
-    if size != 1 or "SLURM_STEP_NUM_TASKS" not in os.environ or not tasks.isdigit() or int(tasks) < 2:
+def _check_the_launcher_reached_mpi(MPI):
+    """The launcher started several ranks but MPI sees one: the launcher and the MPI library do not
+    fit (srun's PMI plug-in, or an mpiexec of another MPI than the one mpi4py loaded), and every
+    rank became a job of its own. Each would train alone, all as the master, writing the same files."""
+    if MPI.COMM_WORLD.Get_size() != 1:
         return
-    chosen = os.environ.get("SLURM_MPI_TYPE", "none")
-    raise RuntimeError(
-        f"srun started {tasks} tasks, but MPI made each of them a job of its own (size 1): srun's PMI plug-in "
-        f"({chosen}) does not suit this MPI library. Start the ranks with `srun --mpi=pmi2` (MPICH, Intel MPI) "
-        "or `srun --mpi=pmix` (Open MPI); `srun --mpi=list` shows what the cluster offers. Or run the "
-        "`tarantella` command inside the allocation, which chooses for you.")
+    if "SLURM_STEP_NUM_TASKS" in os.environ:
+        tasks = os.environ.get("PMI_SIZE") or os.environ["SLURM_STEP_NUM_TASKS"]
+        if tasks.isdigit() and int(tasks) > 1:
+            chosen = os.environ.get("SLURM_MPI_TYPE", "none")
+            raise RuntimeError(
+                f"srun started {tasks} tasks, but MPI made each of them a job of its own (size 1): srun's PMI "
+                f"plug-in ({chosen}) does not suit this MPI library. Start the ranks with `srun --mpi=pmi2` (MPICH, "
+                "Intel MPI) or `srun --mpi=pmix` (Open MPI); `srun --mpi=list` shows what the cluster offers. Or "
+                "run the `tarantella` command inside the allocation, which chooses for you.")
+        return
+    for variable, launcher in (("PMI_SIZE", "a Hydra mpiexec (MPICH, Intel MPI, MVAPICH)"),
+                               ("OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun")):
+        ranks = os.environ.get(variable, "")
+        if ranks.isdigit() and int(ranks) > 1:
+            library = MPI.Get_library_version().strip().splitlines()[0].split(",")[0]
+            raise RuntimeError(
+                f"{launcher} started {ranks} ranks, but the MPI library that mpi4py loaded ({library}) made each "
+                "of them a job of its own (size 1): the launcher belongs to another MPI than the library. Start "
+                "the ranks with the mpiexec of the same MPI (the `tarantella` command picks the one beside this "
+                "Python first), or point mpi4py at the launcher's library with MPI4PY_LIBMPI=/path/to/libmpi.so.")
 
 
 class _SerialComm:
@@ -734,7 +747,7 @@ def init():
         MPI = _SerialMPI
     _MPI = MPI
     world = MPI.COMM_WORLD
-    _check_srun_reached_mpi(world.Get_size())
+    _check_the_launcher_reached_mpi(MPI)
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     local_rank, local_size = node.Get_rank(), node.Get_size()
     node.Free()

