@@ -23,6 +23,7 @@ import threading
 import time
 
 from tarantella import backup_files, config
+from tarantella.child_processes import end_with_parent
 
 _FAILURE = re.compile(r"tarantella: the job failed \(exit status (\d+)\): (.*)")
 _REFUSAL = "tarantella: error: "
@@ -144,7 +145,7 @@ class _Attempts:
             return 128 + self.interrupted, "", True
         env = dict(os.environ, **self.environment, TNT_RESTART_ATTEMPT=str(attempt))
         command = [sys.executable, "-m", "tarantella.launcher", *self.own, *extra, *self.program]
-        self.child = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, preexec_fn=_end_with_parent)
+        self.child = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, preexec_fn=end_with_parent)
         last = [""]
         reader = threading.Thread(target=_pass_on, args=(self.child.stderr, last), daemon=True)
         reader.start()
@@ -180,7 +181,7 @@ class _Attempts:
                 probes[host] = subprocess.Popen(
                     [sys.executable, "-m", "tarantella.launcher", "--hostfile", hostfile, "-n", "1", "--no-gpu",
                      "--log-level", "ERROR", "--", "true"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                    env=dict(os.environ, **self.environment), start_new_session=True, preexec_fn=_end_with_parent)
+                    env=dict(os.environ, **self.environment), start_new_session=True, preexec_fn=end_with_parent)
             deadline = time.monotonic() + timeout_s
             answering = []
             for host, probe in probes.items():
@@ -228,24 +229,25 @@ def _default_directory(program):
 
 
 def _hosts_and_ranks_per_node(options):
-    from tarantella import launcher  # it imports this module
+    from tarantella.launcher import placement  # the launcher package imports this module
+    from tarantella.launcher.messages import LaunchError
 
     if options.hostfile:
-        hosts = launcher.read_hostfile(options.hostfile)
+        hosts = placement.read_hostfile(options.hostfile)
     else:
         nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
-        hosts = launcher.expand_slurm_nodelist(nodelist) if nodelist else []
+        hosts = placement.expand_slurm_nodelist(nodelist) if nodelist else []
     if not hosts:
         raise ValueError("--min-ranks leaves out hosts that do not answer, so it needs several: give them with "
                          "--hostfile, or run inside a Slurm allocation.")
     try:
-        placement = launcher.place_ranks(options, hosts, launcher.count_gpus())
-    except launcher.LaunchError as error:
+        ranks = placement.place_ranks(options, hosts, placement.count_gpus())
+    except LaunchError as error:
         raise ValueError(str(error)) from None
-    if options.min_ranks > placement.ranks:
-        raise ValueError(f"--min-ranks {options.min_ranks} is more than the job's {placement.ranks} ranks. Give "
-                         f"at most {placement.ranks}.")
-    return hosts, placement.ranks_per_node
+    if options.min_ranks > ranks.ranks:
+        raise ValueError(f"--min-ranks {options.min_ranks} is more than the job's {ranks.ranks} ranks. Give "
+                         f"at most {ranks.ranks}.")
+    return hosts, ranks.ranks_per_node
 
 
 def _remove_partial_backups(directory):
@@ -312,15 +314,6 @@ def _whole_number(minimum):
             raise argparse.ArgumentTypeError(f"expects a whole number >= {minimum}, got {text!r}")
         return int(text)
     return parse
-
-
-def _end_with_parent():
-    """In a child: SIGTERM should this command die (the attempt then stops its ranks)."""
-    try:
-        import ctypes
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG, Linux only
-    except (OSError, AttributeError):
-        pass
 
 
 def _say(line):

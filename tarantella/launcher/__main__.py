@@ -1,0 +1,5 @@
+import sys
+
+from tarantella.launcher import main
+
+sys.exit(main())
