@@ -647,8 +647,10 @@ def _started_by_an_mpi_launcher():
 def _check_the_launcher_reached_mpi(MPI):
     """The launcher started several ranks but MPI sees one: the launcher and the MPI library do not
     fit (srun's PMI plug-in, or an mpiexec of another MPI than the one mpi4py loaded), and every
-    rank became a job of its own. Each would train alone, all as the master, writing the same files."""
-    if MPI.COMM_WORLD.Get_size() != 1:
+    rank became a job of its own. Each would train alone, all as the master, writing the same files.
+    (A process that runs without MPI, such as a rank's worker process, inherits the launcher's
+    variables but is no rank.)"""
+    if MPI is _SerialMPI or MPI.COMM_WORLD.Get_size() != 1:
         return
     if "SLURM_STEP_NUM_TASKS" in os.environ:
         tasks = os.environ.get("PMI_SIZE") or os.environ["SLURM_STEP_NUM_TASKS"]
