@@ -18,10 +18,12 @@ import time
 
 import pytest
 
-from conftest import quiet_env
+from conftest import WORKERS, assert_ok, load_npz, quiet_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 ALL_TESTS = bool(os.environ.get("TNT_CLUSTER_TESTS"))
+TRAIN = WORKERS / "train_cases.py"
+CASE = "mlp-batch71"  # global batches of 71 and 64 samples: split unevenly over 2 or 3 ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,3 +202,11 @@ def _end_processes_of(uid):
                 os.kill(int(pid), signal.SIGKILL)
         except (FileNotFoundError, ProcessLookupError):
             pass
+
+
+@pytest.fixture(scope="module")
+def serial_weights(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serial")
+    assert_ok(subprocess.run([sys.executable, str(TRAIN), "--mode", "serial", "--out", str(out), "--cases", CASE],
+                             capture_output=True, text=True, timeout=300, env=quiet_env()))
+    return load_npz(out / f"{CASE}.rank0.npz")

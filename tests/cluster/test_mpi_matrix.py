@@ -14,22 +14,19 @@ import shlex
 import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
 
 import numpy as np
 import pytest
 
-from conftest import WORKERS, assert_ok, load_npz, quiet_env
+from conftest import WORKERS, assert_ok, load_npz
 from netns_hosts import namespace_hosts, network_namespace_of
 
-from .conftest import ALL_TESTS, MPIS, mpi_env
+from .conftest import ALL_TESTS, CASE, MPIS, TRAIN, mpi_env
 
-TRAIN = WORKERS / "train_cases.py"
 SCENARIOS = WORKERS / "scenarios.py"
 PLAIN = WORKERS / "plain_ranks.py"
-CASE = "mlp-batch71"  # batches of 64, 64 and 7 samples: split unevenly over 3 ranks
 only_with_cluster_tests = pytest.mark.skipif(not ALL_TESTS, reason="set TNT_CLUSTER_TESTS=1 to run")
 
 
@@ -52,14 +49,6 @@ def run(command, mpi, timeout=300, user=None, **extra_env):
 
 def last_line(text):
     return text.strip().splitlines()[-1]
-
-
-@pytest.fixture(scope="module")
-def serial_weights(tmp_path_factory):
-    out = tmp_path_factory.mktemp("serial")
-    assert_ok(subprocess.run([sys.executable, str(TRAIN), "--mode", "serial", "--out", str(out), "--cases", CASE],
-                             capture_output=True, text=True, timeout=300, env=quiet_env()))
-    return load_npz(out / f"{CASE}.rank0.npz")
 
 
 def assert_ranks_trained_like_serial(out, ranks, serial):

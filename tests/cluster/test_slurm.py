@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import sys
-import textwrap
 import time
 import uuid
 
@@ -23,12 +22,10 @@ import numpy as np
 import pytest
 
 from conftest import WORKERS, assert_ok, launcher_command, load_npz, quiet_env
-from .conftest import mpi_env
+from .conftest import CASE, TRAIN, mpi_env
 from .slurm_cluster import SlurmCluster, install_with_apt, missing_programs, pmix_library_present
 
-TRAIN = WORKERS / "train_cases.py"
 SCENARIOS = WORKERS / "scenarios.py"
-CASE = "mlp-batch71"  # global batches of 71 and 64 samples: 36 + 35 and 32 + 32 on 2 ranks
 ALL_TESTS = bool(os.environ.get("TNT_CLUSTER_TESTS"))
 only_with_cluster_tests = pytest.mark.skipif(not ALL_TESTS, reason="set TNT_CLUSTER_TESTS=1 to run")
 JOB_TIMEOUT_S = 300
@@ -66,14 +63,6 @@ def slurm(tmp_path_factory):
         yield cluster
     finally:
         cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def serial_weights(tmp_path_factory):
-    out = tmp_path_factory.mktemp("serial")
-    assert_ok(subprocess.run([sys.executable, str(TRAIN), "--mode", "serial", "--out", str(out), "--cases", CASE],
-                             capture_output=True, text=True, timeout=300, env=quiet_env()))
-    return load_npz(out / f"{CASE}.rank0.npz")
 
 
 def run(cluster, command, timeout=JOB_TIMEOUT_S, **extra_env):
