@@ -12,8 +12,6 @@ import os
 import socket
 import uuid
 
-import keras
-
 from tarantella import communication, timeline
 
 _master_alone = False  # True while a master-only callback runs: the other ranks are not saving
