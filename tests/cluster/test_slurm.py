@@ -265,3 +265,23 @@ def _processes_naming(marker):
 def _describe(pids):
     return subprocess.run(["ps", "-o", "pid,ppid,args", "-p", ",".join(map(str, pids)) or "0"],
                           capture_output=True, text=True).stdout
+
+
+@only_with_cluster_tests
+def test_a_job_restarted_inside_an_allocation_ends_with_the_uninterrupted_weights(slurm, tmp_path):
+    job = WORKERS / "long_job.py"
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    reference.mkdir()
+    resumed.mkdir()
+    allocation = ["salloc", "--nodes=2", "--ntasks-per-node=1"]
+    assert_ok(run(slurm, [*allocation, *tarantella(job, reference)]))
+    process = run(slurm, [*allocation, *launcher_command(), "--no-gpu", "--max-restarts", "1", "--backup-every-steps",
+                          "2", "--backup-dir", tmp_path / "backups", "--", job, resumed],
+                  FAULT="attempt=0,rank=1,fit=1,epoch=1,step=3,how=kill")
+    assert_ok(process)
+    restarts = [line for line in process.stderr.splitlines() if line.startswith("tarantella: restart ")]
+    assert len(restarts) == 1 and " Resuming from fit #1 at epoch 2, step 2 " in restarts[0], process.stderr
+    expected, result = load_npz(reference / "weights.npz"), load_npz(resumed / "weights.npz")
+    for name in expected:
+        np.testing.assert_array_equal(result[name], expected[name], err_msg=name)
+    assert not (tmp_path / "backups").exists()
