@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import pytest
 
 from conftest import WORKERS, assert_ok, load_npz, quiet_env
@@ -210,3 +211,16 @@ def serial_weights(tmp_path_factory):
     assert_ok(subprocess.run([sys.executable, str(TRAIN), "--mode", "serial", "--out", str(out), "--cases", CASE],
                              capture_output=True, text=True, timeout=300, env=quiet_env()))
     return load_npz(out / f"{CASE}.rank0.npz")
+
+
+def assert_restarted_once_like_the_uninterrupted_run(process, reference, resumed, backups):
+    """The job of `long_job.py` whose rank 1 was killed at fit 1, epoch 1, step 3 (backups every 2
+    steps) was restarted once, from epoch 2, step 2, and ended with the uninterrupted run's
+    weights, bit for bit, leaving no backup behind."""
+    assert_ok(process)
+    restarts = [line for line in process.stderr.splitlines() if line.startswith("tarantella: restart ")]
+    assert len(restarts) == 1 and " Resuming from fit #1 at epoch 2, step 2 " in restarts[0], process.stderr
+    expected, result = load_npz(reference / "weights.npz"), load_npz(resumed / "weights.npz")
+    for name in expected:
+        np.testing.assert_array_equal(result[name], expected[name], err_msg=name)
+    assert not backups.exists()

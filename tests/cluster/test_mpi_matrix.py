@@ -23,7 +23,7 @@ import pytest
 from conftest import WORKERS, assert_ok, load_npz
 from netns_hosts import namespace_hosts, network_namespace_of
 
-from .conftest import ALL_TESTS, CASE, MPIS, TRAIN, mpi_env
+from .conftest import ALL_TESTS, CASE, MPIS, TRAIN, assert_restarted_once_like_the_uninterrupted_run, mpi_env
 
 SCENARIOS = WORKERS / "scenarios.py"
 PLAIN = WORKERS / "plain_ranks.py"
@@ -116,13 +116,7 @@ def test_a_rank_killed_mid_epoch_is_restarted_and_ends_with_the_uninterrupted_we
     process = run([mpi.bin("tarantella"), "-n", "2", "--no-gpu", "--max-restarts", "1", "--backup-every-steps", "2",
                    "--backup-dir", tmp_path / "backups", "--", job, resumed], mpi,
                   FAULT="attempt=0,rank=1,fit=1,epoch=1,step=3,how=kill")
-    assert_ok(process)
-    restarts = [line for line in process.stderr.splitlines() if line.startswith("tarantella: restart ")]
-    assert len(restarts) == 1 and " Resuming from fit #1 at epoch 2, step 2 " in restarts[0], process.stderr
-    expected, result = load_npz(reference / "weights.npz"), load_npz(resumed / "weights.npz")
-    for name in expected:
-        np.testing.assert_array_equal(result[name], expected[name], err_msg=name)
-    assert not (tmp_path / "backups").exists()
+    assert_restarted_once_like_the_uninterrupted_run(process, reference, resumed, tmp_path / "backups")
 
 
 # -- environment and hostfile across two hosts -------------------------------------------------

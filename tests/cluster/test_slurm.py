@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from conftest import WORKERS, assert_ok, launcher_command, load_npz, quiet_env
-from .conftest import CASE, TRAIN, mpi_env
+from .conftest import CASE, TRAIN, assert_restarted_once_like_the_uninterrupted_run, mpi_env
 from .slurm_cluster import SlurmCluster, install_with_apt, missing_programs, pmix_library_present
 
 SCENARIOS = WORKERS / "scenarios.py"
@@ -278,10 +278,4 @@ def test_a_job_restarted_inside_an_allocation_ends_with_the_uninterrupted_weight
     process = run(slurm, [*allocation, *launcher_command(), "--no-gpu", "--max-restarts", "1", "--backup-every-steps",
                           "2", "--backup-dir", tmp_path / "backups", "--", job, resumed],
                   FAULT="attempt=0,rank=1,fit=1,epoch=1,step=3,how=kill")
-    assert_ok(process)
-    restarts = [line for line in process.stderr.splitlines() if line.startswith("tarantella: restart ")]
-    assert len(restarts) == 1 and " Resuming from fit #1 at epoch 2, step 2 " in restarts[0], process.stderr
-    expected, result = load_npz(reference / "weights.npz"), load_npz(resumed / "weights.npz")
-    for name in expected:
-        np.testing.assert_array_equal(result[name], expected[name], err_msg=name)
-    assert not (tmp_path / "backups").exists()
+    assert_restarted_once_like_the_uninterrupted_run(process, reference, resumed, tmp_path / "backups")
