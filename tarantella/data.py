@@ -556,16 +556,19 @@ def _reuse(function_wrapper):
     return call
 
 
-def _rows_of_rank(element_spec, rank, size):
-    def take_rows(tensor):
-        if isinstance(tensor, tf.RaggedTensor):
-            return tf.gather(tensor, tf.range(rank, tensor.nrows(), size))
-        return tensor[rank::size]
+def rows_of_rank(batch, rank, size):
+    """Rows rank, rank + size, ... of a (dense or ragged) batch tensor."""
+    # A gather, not batch[rank::size]: TensorFlow's CPU kernel for a strided slice copies element
+    # by element (LeNet-5's 64 of 128 rows: 300 us against 80 us).
+    count = batch.nrows() if isinstance(batch, tf.RaggedTensor) else tf.shape(batch, out_type=tf.int64)[0]
+    return tf.gather(batch, tf.range(tf.minimum(tf.cast(rank, count.dtype), count), count, size))  # none past the end
 
+
+def _rows_of_rank(element_spec, rank, size):
     @tf.autograph.experimental.do_not_convert
     def rows(*args):
         element = args if isinstance(element_spec, tuple) else args[0]
-        return tf.nest.map_structure(take_rows, element)
+        return tf.nest.map_structure(lambda batch: rows_of_rank(batch, rank, size), element)
 
     return rows
 

@@ -342,7 +342,7 @@ class Model(keras.Model):
         spec = tf.nest.map_structure(lambda t: tf.TensorSpec([None] + t.shape[1:], t.dtype), batch)
         self._prepare(spec, step)
         rank, size = self._comm.rank, self._comm.size
-        rows = tf.nest.map_structure(lambda t: t[rank::size], batch)
+        rows = tf.nest.map_structure(lambda t: data.rows_of_rank(t, rank, size), batch)
         return keras.utils.unpack_x_y_sample_weight(rows)
 
     # -- rank-local metric values (for callbacks with aggregate_logs=False) --------------------
