@@ -17,6 +17,10 @@ master rank's training-step time and samples/s of:
   (horovod) LeNet-5 and the MLP only: Horovod 0.28.1 at 2 ranks, on TensorFlow 2.15 and
       Keras 2, from the environment that benchmarks/make_horovod_venv.sh builds (--horovod-venv;
       skipped, with a line saying so, where there is none), under the same launcher and mpiexec;
+  (split), (keras2), (keras2-split) named in --variants only, to find where a gap to Horovod
+      comes from: Keras 3 at 2 processes each training its half of every global batch with no
+      communication at all; Keras 2 in one process, and Keras 2 split as (split), both from
+      Horovod's environment without Horovod;
 and judges the step-time ratios (b)/(a), (c)/(d), (c)/((d)+(ring)), (e)/(c), (timeline)/(c),
 (c)/(@REV) and (c)/(horovod) against their targets: this code may not be slower than REV. It also counts tarantella's agreement
 allreduces per step (one opens each step; there is no switch) and times one.
@@ -38,7 +42,7 @@ Compare numbers within one invocation only, on a quiet machine.
 
     python benchmarks/scaling.py [--models lenet5,mlp,resnet50,transformer] [--repeats 12]
         [--steps N] [--quick] [--plot FILE.png] [--json FILE.json]
-        [--against REV[,REV...]] [--variants a,b,c,d,e,@REV,horovod] [--horovod-venv DIR]
+        [--against REV[,REV...]] [--variants a,b,c,d,e,@REV,horovod,split,keras2,keras2-split,...] [--horovod-venv DIR]
     python benchmarks/scaling.py --compare FIRST.json SECOND.json
 """
 
@@ -89,9 +93,16 @@ VARIANTS = {
     "no-agreement-no-monitor": Variant("2 ranks, neither", 2, "no-agreement-no-monitor"),
     # What recording the timeline costs, timed only when named in --variants.
     "timeline": Variant("2 ranks, --timeline", 2, "timeline"),
-    # Its interpreter comes from --horovod-venv.
+    # Keras alone at 2 processes, each training its half of every global batch with no
+    # communication at all: what (d) costs beyond Keras's own step. Timed only when named.
+    "split": Variant("Keras, 2 processes, no communication", 2, "split"),
+    # Their interpreter comes from --horovod-venv.
     "horovod": Variant("Horovod (Keras 2), 2 ranks", 2, "horovod", stop_between_windows=True),
+    # Horovod's baselines: Keras 2 in one process, and at 2 processes without communication.
+    "keras2": Variant("plain Keras 2, 1 process", 1, "keras"),
+    "keras2-split": Variant("Keras 2, 2 processes, no communication", 2, "split"),
 }
+HOROVOD_ENVIRONMENT = ("horovod", "keras2", "keras2-split")
 # Upper bounds on step-time ratios (numerator, denominator; "d+ring" is the sum of both per
 # round): what tarantella costs at one rank, what the gradient allreduce costs at two, the
 # 2-rank step against the machine's limit (compute plus a bare ring allreduce, issue 22), what
@@ -109,6 +120,11 @@ MODELS = list(RATIO_TARGETS)
 MODEL_VARIANTS = {model: list("abcde" if model == "resnet50" else "abcd") for model in MODELS}
 for model in ("lenet5", "mlp"):  # the worker's other models need Keras 3
     MODEL_VARIANTS[model].append("horovod")
+# Reported, not judged, where their variants ran: where a gap to Horovod comes from. Each tool's
+# communication against its own Keras without any (horovod/keras2-split, c/split); tarantella's
+# step beyond Keras's at 2 ranks (d/split); Keras 3's step against Keras 2's (a/keras2, split/keras2-split).
+DECOMPOSITION = {("horovod", "keras2-split"): None, ("c", "split"): None, ("d", "split"): None,
+                 ("a", "keras2"): None, ("split", "keras2-split"): None}
 # (c)/(@REV): the code under test against an earlier revision of itself.
 AGAINST_TARGET = 1.00
 
@@ -134,12 +150,12 @@ def remove_worktrees(variants):
                        check=False)
 
 
-def horovod_variant(venv):
-    """The `horovod` variant run by the Python of `venv`, or None where Horovod is not built there."""
-    python = os.path.join(venv, "bin", "python")
+def horovod_python(venv):
+    """The Python of `venv`, which runs the variants of Horovod's environment, or None where Horovod
+    is not built there."""
     if not os.access(os.path.join(venv, "bin", "horovodrun"), os.X_OK):  # installed with Horovod
         return None
-    return VARIANTS["horovod"]._replace(python=python)
+    return os.path.join(venv, "bin", "python")
 
 
 def horovod_missing(venv):
@@ -149,30 +165,34 @@ def horovod_missing(venv):
     return f"no Horovod environment at {venv}; build it with: {command}"
 
 
-def horovod_skipped(models, named, horovod, venv):
+def horovod_skipped(models, named, horovod_python, venv):
     """The line that says a run of every variant leaves (horovod) out, or None where it does not."""
-    if horovod is None and named is None and any("horovod" in MODEL_VARIANTS[model] for model in models):
+    if horovod_python is None and named is None and any("horovod" in MODEL_VARIANTS[model] for model in models):
         return f"horovod variant skipped: {horovod_missing(venv)}"
     return None
 
 
-def select_variants(model, named, revisions, horovod, horovod_venv):
+def select_variants(model, named, revisions, horovod_python, horovod_venv):
     """{label: Variant} to time for `model`: those `named` (None: the model's own, without the
-    ablations) plus the revisions'. Raises ValueError for a name it cannot time."""
-    ablations = [label for label in VARIANTS if label.startswith("no-") or label == "timeline"]
-    variants = {label: VARIANTS[label] for label in MODEL_VARIANTS[model] + ablations}
+    ablations and baselines timed only when named) plus the revisions'. Raises ValueError for a
+    name it cannot time."""
+    when_named = [label for label in VARIANTS if label.startswith("no-") or label in ("timeline", "split")]
+    if "horovod" in MODEL_VARIANTS[model]:
+        when_named += [label for label in HOROVOD_ENVIRONMENT if label != "horovod"]
+    variants = {label: VARIANTS[label] for label in MODEL_VARIANTS[model] + when_named}
     variants.update(revisions)
     if named is None:
-        named = [label for label in variants if label not in ablations]
-        if horovod is None:
+        named = [label for label in variants if label not in when_named]
+        if horovod_python is None:
             named = [label for label in named if label != "horovod"]
     unknown = [label for label in named if label not in variants]
     if unknown:
         raise ValueError(f"unknown variant(s) {', '.join(unknown)} for {model}; choose from {', '.join(variants)}")
-    if "horovod" in named:
-        if horovod is None:
-            raise ValueError(f"cannot time horovod: {horovod_missing(horovod_venv)}")
-        variants["horovod"] = horovod
+    for label in HOROVOD_ENVIRONMENT:
+        if label in named:
+            if horovod_python is None:
+                raise ValueError(f"cannot time {label}: {horovod_missing(horovod_venv)}")
+            variants[label] = variants[label]._replace(python=horovod_python)
     return {label: variant for label, variant in variants.items() if label in named}
 
 
@@ -352,7 +372,7 @@ def analyze(model, measured):
     ratios = {}
     targets = {**RATIO_TARGETS[model], **{("c", label): AGAINST_TARGET for label in step if label.startswith("@")},
                **{("c", label): None for label in step if label.startswith("no-")},
-               ("timeline", "c"): TIMELINE_TARGET}
+               ("timeline", "c"): TIMELINE_TARGET, **DECOMPOSITION}
     for (numerator, denominator), target in targets.items():
         summands = denominator.split("+")
         if numerator not in step or any(label not in step for label in summands):
@@ -383,7 +403,7 @@ def relative_spread(spread):
 def print_report(results, repeats):
     print(f"\nMedian over {repeats} interleaved round(s) of each window's median step time; IQR: interquartile "
           "range relative to the median.")
-    header = (f"{'model':<12}{'params':>12}  {'variant':<38}{'step ms':>9}{'IQR':>12}{'samples/s':>11}")
+    header = (f"{'model':<12}{'params':>12}  {'variant':<46}{'step ms':>9}{'IQR':>12}{'samples/s':>11}")
     print(header)
     print("-" * len(header))
     for model, result in results.items():
@@ -392,20 +412,20 @@ def print_report(results, repeats):
         for index, (label, spread) in enumerate(analysis["step_seconds"].items()):
             name, count = (model, f"{measured['parameters']:,}") if index == 0 else ("", "")
             description = f"({label}) {measured['variants'][label]['description']}"
-            print(f"{name:<12}{count:>12}  {description:<38}{spread['median'] * 1e3:>9.2f}"
+            print(f"{name:<12}{count:>12}  {description:<46}{spread['median'] * 1e3:>9.2f}"
                   f"{relative_spread(spread):>12}{batch / spread['median']:>11,.0f}")
         print(f"{'':<26}global batch {batch}, {measured['steps_per_window']} timed step(s) per window")
         for name, ratio in analysis["ratios"].items():
             numerator, denominator = name.split("/", 1)
             denominator = "+".join(f"({label})" for label in denominator.split("+"))
             quartiles = f"{ratio['q1']:.3f}-{ratio['q3']:.3f}"
-            print(f"{'':<26}{f'({numerator})/{denominator} step time':<38}{ratio['median']:>9.3f}"
+            print(f"{'':<26}{f'({numerator})/{denominator} step time':<46}{ratio['median']:>9.3f}"
                   f"{quartiles:>12}  min-max {ratio['min']:.3f}-{ratio['max']:.3f}, "
                   + (f"target <= {ratio['target']:.2f}: " if ratio["target"] is not None else "") + ratio["verdict"])
         speed_up = analysis["speed_up_c_over_a"]
         if speed_up is not None:
             quartiles = f"{speed_up['q1']:.2f}-{speed_up['q3']:.2f}"
-            print(f"{'':<26}{'(c)/(a) speed-up in samples/s':<38}{speed_up['median']:>9.2f}{quartiles:>12}")
+            print(f"{'':<26}{'(c)/(a) speed-up in samples/s':<46}{speed_up['median']:>9.2f}{quartiles:>12}")
         print_agreement(analysis, measured)
         print()
 
@@ -524,7 +544,7 @@ def main():
             parser.error("--plot needs matplotlib: pip install 'tarantella[plot]' (or pip install matplotlib).")
     warmup = QUICK["warmup"] if args.quick else WARMUP_STEPS
     named = args.variants.split(",") if args.variants else None
-    horovod = horovod_variant(args.horovod_venv)
+    horovod = horovod_python(args.horovod_venv)
     skipped = horovod_skipped(models, named, horovod, args.horovod_venv)
     if skipped:
         print(skipped, flush=True)

@@ -12,6 +12,9 @@ Variants:
                 (ablation: what watching the other ranks costs)
   no-agreement-no-monitor  both ablations
   timeline      tarantella recording its timeline (TNT_TIMELINE, written to the control folder)
+  split         plain Keras in each process started by the launcher, on its rank's half of
+                every global batch, with no communication (ranks from mpi4py; run by this
+                Python or by the Horovod environment's, for Keras 3 or Keras 2)
   horovod       Horovod 0.28.1 on Keras 2: the interpreter of the environment that
                 benchmarks/make_horovod_venv.sh builds runs this file (LeNet-5 and the MLP
                 only: the other models' definitions need Keras 3)
@@ -273,7 +276,7 @@ def main():
     parser.add_argument("--model", choices=MODELS, required=True)
     parser.add_argument("--variant", required=True, choices=[
         "keras", "tarantella", "no-allreduce", "sync-bn", "no-agreement", "no-monitor", "no-agreement-no-monitor",
-        "timeline", "horovod"])
+        "timeline", "split", "horovod"])
     parser.add_argument("--windows", type=int, required=True, help="timed windows")
     parser.add_argument("--steps-per-window", type=int, required=True, help="timed steps per window")
     parser.add_argument("--warmup-steps", type=int, default=3, help="untimed first steps (tracing)")
@@ -298,6 +301,13 @@ def main():
         ready["rank_pids"] = horovod.tensorflow.allgather_object(os.getpid())
         # Every rank starts from rank 0's weights, as tnt.Model sees to.
         callbacks.append(hvd.callbacks.BroadcastGlobalVariablesCallback(0))
+    elif args.variant == "split":
+        from mpi4py import MPI
+        rank, ranks = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+        is_master = rank == 0
+        threads = max(1, len(os.sched_getaffinity(0)) // ranks)  # one node: as tarantella's launcher sets
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
     elif args.variant != "keras":
         if args.variant == "timeline":
             os.environ["TNT_TIMELINE"] = os.path.join(args.control, "timeline.json")
@@ -334,12 +344,13 @@ def main():
     samples, labels = random_data(model, global_batch_size)
     batch_size = global_batch_size
     optimizer = keras.optimizers.SGD(0.01)
-    if args.variant == "horovod":
+    if args.variant in ("horovod", "split"):
         # Horovod leaves the data to the program: each rank feeds its share of every global batch.
         samples, labels = (rank_share(array, global_batch_size, rank, ranks) for array in (samples, labels))
         batch_size = global_batch_size // ranks
+    if args.variant == "horovod":
         optimizer = hvd.DistributedOptimizer(optimizer)
-    elif args.variant != "keras":
+    elif args.variant not in ("keras", "split"):
         # Only where asked: older revisions (--against) have no such argument.
         model = tnt.Model(model, **({"synchronized_batch_normalization": True} if args.variant == "sync-bn" else {}))
     dataset = tf.data.Dataset.from_tensor_slices((samples, labels)).batch(batch_size).repeat()

@@ -110,7 +110,7 @@ def test_tarantella_is_judged_against_horovod_on_lenet5_and_the_mlp():
 
 def test_without_a_horovod_environment_the_default_run_skips_the_variant_with_one_line(tmp_path):
     missing = tmp_path / "no-horovod"
-    assert scaling.horovod_variant(str(missing)) is None
+    assert scaling.horovod_python(str(missing)) is None
     selected = scaling.select_variants("lenet5", None, {}, None, str(missing))
     assert list(selected) == ["a", "b", "c", "d"]
     script = os.path.relpath(_PATH.parent / "make_horovod_venv.sh")
@@ -129,12 +129,19 @@ def test_a_built_horovod_environment_adds_the_variant_to_lenet5_and_the_mlp_only
     venv = tmp_path / "horovod-venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "horovodrun").touch(mode=0o755)
-    horovod = scaling.horovod_variant(str(venv))
-    assert horovod.python == str(venv / "bin" / "python") and horovod.ranks == 2
-    assert horovod.stop_between_windows  # its background thread polls while it waits
+    horovod = scaling.horovod_python(str(venv))
+    assert horovod == str(venv / "bin" / "python")
     assert list(scaling.select_variants("mlp", None, {}, horovod, str(venv))) == ["a", "b", "c", "d", "horovod"]
-    assert list(scaling.select_variants("lenet5", ["c", "horovod"], {}, horovod, str(venv))) == ["c", "horovod"]
+    selected = scaling.select_variants("lenet5", ["c", "horovod", "keras2", "keras2-split"], {}, horovod, str(venv))
+    assert list(selected) == ["c", "horovod", "keras2", "keras2-split"]
+    assert selected["c"].python is None  # this environment's
+    assert all(selected[label].python == horovod for label in ("horovod", "keras2", "keras2-split"))
+    assert selected["horovod"].ranks == 2 and selected["keras2"].ranks == 1 and selected["keras2-split"].ranks == 2
+    assert selected["horovod"].stop_between_windows  # its background thread polls while it waits
+    assert not selected["keras2-split"].stop_between_windows  # no Horovod: waits without CPU
     assert "horovod" not in scaling.select_variants("resnet50", None, {}, horovod, str(venv))
+    with pytest.raises(ValueError, match="unknown variant"):
+        scaling.select_variants("resnet50", ["c", "keras2"], {}, horovod, str(venv))
     with pytest.raises(ValueError, match="unknown variant"):
         scaling.select_variants("transformer", ["c", "horovod"], {}, horovod, str(venv))
 
