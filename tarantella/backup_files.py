@@ -8,6 +8,7 @@ Names are `fit-<k>.tntbackup`, k counting the program's `fit` calls from 1, so t
 restarted from its top finds each call's backup again.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -16,7 +17,7 @@ import socket
 _FORMAT_LINE = b"tarantella backup 1\n"
 _SUFFIX = ".tntbackup"
 _NAME = re.compile(r"fit-(\d+)\.tntbackup")
-PARTIAL_PREFIX = ".tnt-partial-"  # as tnt.models saves: a name a later clean-up recognizes
+PARTIAL_PREFIX = ".tnt-partial-"  # backups and tnt.models saves alike: a name a later clean-up recognizes
 _ALIGNMENT = 64
 
 
@@ -35,6 +36,7 @@ def write(path, header, arrays):
         offset += array.nbytes
     head = _FORMAT_LINE + json.dumps({**header, "arrays": layout}).encode() + b"\n"
     folder, name = os.path.split(os.path.abspath(path))
+    remove_abandoned_partial_files(folder, name)
     partial = os.path.join(folder, f"{PARTIAL_PREFIX}{socket.gethostname()}-{os.getpid()}-{name}")
     try:
         with open(partial, "wb") as file:
@@ -50,6 +52,22 @@ def write(path, header, arrays):
         if os.path.exists(partial):
             os.remove(partial)
     _sync_folder(folder)
+
+
+def remove_abandoned_partial_files(folder, name):
+    """Removes the partial files of `name` whose writer on this host is gone (killed while it wrote)."""
+    host = socket.gethostname()
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return  # the write itself will report the folder
+    for entry in entries:
+        if not (entry.startswith(f"{PARTIAL_PREFIX}{host}-") and entry.endswith(f"-{name}")):
+            continue
+        pid = entry[len(PARTIAL_PREFIX) + len(host) + 1:].split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, entry))
 
 
 def read_header(path):

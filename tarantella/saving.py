@@ -12,7 +12,7 @@ import os
 import socket
 import uuid
 
-from tarantella import communication, timeline
+from tarantella import backup_files, communication, timeline
 
 _master_alone = False  # True while a master-only callback runs: the other ranks are not saving
 
@@ -67,15 +67,14 @@ def write_whole(filepath, write, overwrite=True, save_all_devices=False):
         raise error
 
 
-_PARTIAL_PREFIX = ".tnt-partial-"
 
 
 def _write_then_rename(path, write):
     folder, name = os.path.split(os.path.abspath(path))
-    _remove_abandoned_partial_files(folder, name)
+    backup_files.remove_abandoned_partial_files(folder, name)
     # The partial file keeps the target's name as its suffix (Keras checks the extension), and
     # the writer's host and process, so that a later save can tell an abandoned one.
-    partial = os.path.join(folder, f"{_PARTIAL_PREFIX}{socket.gethostname()}-{os.getpid()}-"
+    partial = os.path.join(folder, f"{backup_files.PARTIAL_PREFIX}{socket.gethostname()}-{os.getpid()}-"
                                    f"{uuid.uuid4().hex[:12]}-{name}")
     try:
         write(partial)
@@ -88,22 +87,6 @@ def _write_then_rename(path, write):
     finally:
         if os.path.exists(partial):
             os.remove(partial)
-
-
-def _remove_abandoned_partial_files(folder, name):
-    """Partial files of `name` whose writer on this host is gone (killed during a save)."""
-    host = socket.gethostname()
-    try:
-        entries = os.listdir(folder)
-    except OSError:
-        return  # the write itself will report the folder
-    for entry in entries:
-        if not (entry.startswith(f"{_PARTIAL_PREFIX}{host}-") and entry.endswith(f"-{name}")):
-            continue
-        pid = entry[len(_PARTIAL_PREFIX) + len(host) + 1:].split("-", 1)[0]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(folder, entry))
 
 
 def _naming_the_target(error, partial, path):

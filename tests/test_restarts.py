@@ -12,6 +12,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -107,7 +108,19 @@ def test_a_rank_failing_at_start_up_after_a_restart_is_restarted_again(tmp_path)
     assert os.listdir(tmp_path) == [], "the backups are removed after a good end"
 
 
-def test_sigterm_to_the_command_never_restarts(tmp_path):
+def _send_sigterm_to_the_command(launcher):
+    launcher.send_signal(signal.SIGTERM)
+
+
+def _press_ctrl_c(launcher):
+    """What a terminal does on Ctrl+C: SIGINT to every process of the foreground group, the
+    command, its MPI launcher and the ranks alike."""
+    os.killpg(launcher.pid, signal.SIGINT)
+
+
+@pytest.mark.parametrize("stop, signum", [(_send_sigterm_to_the_command, signal.SIGTERM),
+                                          (_press_ctrl_c, signal.SIGINT)], ids=["sigterm", "ctrl-c"])
+def test_stopping_the_command_never_restarts(stop, signum, tmp_path):
     command = launcher_command() + ["-n", "2", "--no-gpu", "--max-restarts", "3", "--", str(PLAIN), "run-forever"]
     launcher = subprocess.Popen(command, cwd=tmp_path, env=quiet_env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -117,14 +130,51 @@ def test_sigterm_to_the_command_never_restarts(tmp_path):
             running += line.endswith(": running\n")
             if running == 2:
                 break
-        launcher.send_signal(signal.SIGTERM)
-        assert launcher.wait(timeout=20) == 128 + signal.SIGTERM
+        stop(launcher)
+        assert launcher.wait(timeout=20) == 128 + signum
         stderr = launcher.stderr.read()
+        # Nothing of the job is left: no rank, no MPI launcher, no restarted attempt.
+        assert _processes_in_group(launcher.pid) == [], stderr
     finally:
-        if launcher.poll() is None:
+        if launcher.poll() is None or _processes_in_group(launcher.pid):
             os.killpg(launcher.pid, signal.SIGKILL)
     assert "tarantella: restart" not in stderr, stderr
-    assert last_line(stderr) == "tarantella: stopped every rank on SIGTERM.", stderr
+    assert last_line(stderr) == f"tarantella: stopped every rank on {signal.Signals(signum).name}.", stderr
+
+
+def _processes_in_group(group, settle_s=5):
+    """The pids still in process group `group`, after up to `settle_s` for them to end."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _group_of(int(pid)) == group]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def _group_of(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[2])
+    except (OSError, IndexError, ValueError):  # ended meanwhile
+        return None
+
+
+def test_the_next_backup_removes_a_partial_file_whose_writer_is_gone(tmp_path):
+    """A rank stopped while it wrote (Ctrl+C, SIGKILL) leaves its hidden partial file; the next write
+    of that backup removes it, but not the partial file of a writer that still runs."""
+    from tarantella import backup_files
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host, target = socket.gethostname(), backup_files.path_of(tmp_path, 1)
+    abandoned = tmp_path / f"{backup_files.PARTIAL_PREFIX}{host}-{gone.pid}-fit-1.tntbackup"
+    writing = tmp_path / f"{backup_files.PARTIAL_PREFIX}{host}-{os.getppid()}-fit-1.tntbackup"
+    other_fit = tmp_path / f"{backup_files.PARTIAL_PREFIX}{host}-{gone.pid}-fit-2.tntbackup"
+    for path in (abandoned, writing, other_fit):
+        path.write_bytes(b"half")
+    backup_files.write(target, {"epoch": 1}, [np.arange(3.0)])
+    assert sorted(os.listdir(tmp_path)) == sorted(["fit-1.tntbackup", writing.name, other_fit.name])
+    assert backup_files.read_header(target)["epoch"] == 1
 
 
 def test_a_refused_command_line_is_not_restarted(tmp_path):
@@ -198,6 +248,30 @@ def test_a_finished_fit_is_not_trained_again_after_a_restart(tmp_path, tmp_path_
     assert process.stdout.splitlines().count("fit 1 trained 28 steps") == 1, process.stdout
     assert "fit 1 trained 0 steps" in process.stdout and "fit 2 trained 14 steps" in process.stdout, process.stdout
     assert_same_results(load_npz(tmp_path / "weights.npz"), expected)
+
+
+@every_test
+def test_ctrl_c_while_training_stops_the_job_and_keeps_its_backup(tmp_path):
+    """Every rank gets SIGINT (a KeyboardInterrupt inside fit) while the command gets it too: the job
+    stops, is not restarted, and the backup stays for a later run to resume from."""
+    command = launcher_command() + ["-n", "2", "--no-gpu", "--max-restarts", "3", "--backup-every-steps", "2",
+                                    "--", str(JOB), str(tmp_path)]
+    launcher = subprocess.Popen(command, cwd=tmp_path, env=quiet_env(STEP_SLEEP="0.05"), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert wait_for_backup(tmp_path), "no backup within 120 s"
+        assert len(rank_pids(tmp_path, "long_job.py")) == 2
+        _press_ctrl_c(launcher)
+        stdout, stderr = launcher.communicate(timeout=30)
+        assert launcher.returncode == 128 + signal.SIGINT, stderr
+        assert _processes_in_group(launcher.pid) == [], stderr
+    finally:
+        if launcher.poll() is None or _processes_in_group(launcher.pid, settle_s=0):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert "tarantella: restart" not in stderr, stderr
+    assert last_line(stderr) == "tarantella: stopped every rank on SIGINT.", stderr
+    assert "fit 1 trained" not in stdout, "the job was stopped before it ended"
+    assert complete_backups(tmp_path), "the backup of a stopped job stays, to resume from"
 
 
 @every_test
