@@ -17,6 +17,8 @@ master rank's training-step time and samples/s of:
   (horovod) LeNet-5 and the MLP only: Horovod 0.28.1 at 2 ranks, on TensorFlow 2.15 and
       Keras 2, from the environment that benchmarks/make_horovod_venv.sh builds (--horovod-venv;
       skipped, with a line saying so, where there is none), under the same launcher and mpiexec;
+  (c+NAME=VALUE) named in --variants only: (c) with one environment setting, e.g.
+      c+TNT_FUSION_THRESHOLD=1024, reported against (c);
   (split), (keras2), (keras2-split) named in --variants only, to find where a gap to Horovod
       comes from: Keras 3 at 2 processes each training its half of every global batch with no
       communication at all; Keras 2 in one process, and Keras 2 split as (split), both from
@@ -49,6 +51,7 @@ Compare numbers within one invocation only, on a quiet machine.
 import argparse
 import json
 import os
+import re
 import select
 import signal
 import statistics
@@ -79,6 +82,7 @@ class Variant(NamedTuple):
     tarantella_folder: str = None  # import tarantella from this checkout (--against), not the installed one
     python: str = None  # the ranks' interpreter, where not this one
     stop_between_windows: bool = False  # for a job that uses CPU while it waits
+    environment: tuple = ()  # (name, value) settings for the ranks
 
 
 VARIANTS = {
@@ -172,6 +176,17 @@ def horovod_skipped(models, named, horovod_python, venv):
     return None
 
 
+def setting_variant(label):
+    """The variant `c+NAME=VALUE`: (c) with the environment setting NAME=VALUE (e.g.
+    c+TNT_FUSION_THRESHOLD=1024), or None where `label` is no such name."""
+    base, plus, setting = label.partition("+")
+    name, equals, value = setting.partition("=")
+    if base != "c" or not plus or not equals or not name.isidentifier():
+        return None
+    return VARIANTS["c"]._replace(description=f"tarantella, 2 ranks, {name}={value}",
+                                  environment=((name, value),))
+
+
 def select_variants(model, named, revisions, horovod_python, horovod_venv):
     """{label: Variant} to time for `model`: those `named` (None: the model's own, without the
     ablations and baselines timed only when named) plus the revisions'. Raises ValueError for a
@@ -185,6 +200,10 @@ def select_variants(model, named, revisions, horovod_python, horovod_venv):
         named = [label for label in variants if label not in when_named]
         if horovod_python is None:
             named = [label for label in named if label != "horovod"]
+    for label in named:
+        setting = setting_variant(label)
+        if setting is not None:
+            variants[label] = setting
     unknown = [label for label in named if label not in variants]
     if unknown:
         raise ValueError(f"unknown variant(s) {', '.join(unknown)} for {model}; choose from {', '.join(variants)}")
@@ -205,7 +224,7 @@ class Worker:
 
     def __init__(self, model, label, variant, windows, steps, warmup, scratch):
         self.name = f"{model} ({label}) {variant.description}"
-        self.control = os.path.join(scratch, f"{model}-{label.replace('@', 'at-').replace('/', '-')}")
+        self.control = os.path.join(scratch, f"{model}-{re.sub(r'[^A-Za-z0-9_.-]', '-', label)}")
         os.mkdir(self.control)
         # Opened read-write, so that neither side blocks in open() and a reader never sees EOF.
         self._go = []
@@ -229,7 +248,7 @@ class Worker:
                                  "--steps-per-window", str(steps), "--warmup-steps", str(warmup),
                                  "--control", self.control]
         self._log_path = os.path.join(self.control, "output.log")
-        environment = dict(os.environ)
+        environment = {**os.environ, **dict(variant.environment)}
         if variant.tarantella_folder is not None:  # the launcher and the ranks import that revision's tarantella
             environment["PYTHONPATH"] = os.pathsep.join(
                 filter(None, [variant.tarantella_folder, os.environ.get("PYTHONPATH")]))
@@ -372,7 +391,8 @@ def analyze(model, measured):
     ratios = {}
     targets = {**RATIO_TARGETS[model], **{("c", label): AGAINST_TARGET for label in step if label.startswith("@")},
                **{("c", label): None for label in step if label.startswith("no-")},
-               ("timeline", "c"): TIMELINE_TARGET, **DECOMPOSITION}
+               ("timeline", "c"): TIMELINE_TARGET, **DECOMPOSITION,
+               **{(label, "c"): None for label in step if setting_variant(label) is not None}}
     for (numerator, denominator), target in targets.items():
         summands = denominator.split("+")
         if numerator not in step or any(label not in step for label in summands):

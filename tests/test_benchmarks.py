@@ -186,3 +186,16 @@ def test_the_worker_times_a_bare_ring_allreduce_of_the_gradient_bytes():
     class Model:
         trainable_variables = [np.zeros((600, 600), np.float32)]  # 1.4 MB: the ring path
     assert worker.measure_bare_ring(Model(), 2) > 0
+
+
+def test_a_setting_variant_runs_c_with_one_environment_setting_and_is_reported_against_c():
+    selected = scaling.select_variants("mlp", ["c", "c+TNT_FUSION_THRESHOLD=1024"], {}, None, "")
+    setting = selected["c+TNT_FUSION_THRESHOLD=1024"]
+    assert setting.environment == (("TNT_FUSION_THRESHOLD", "1024"),) and setting.ranks == 2
+    assert selected["c"].environment == ()
+    for malformed in ["c+TNT_FUSION_THRESHOLD", "d+TNT_FUSION_THRESHOLD=1", "c+=1", "c+1X=2"]:
+        with pytest.raises(ValueError, match="unknown variant"):
+            scaling.select_variants("mlp", ["c", malformed], {}, None, "")
+    step_ms = {"c": [100] * 5, "c+TNT_FUSION_THRESHOLD=1024": [90, 91, 89, 90, 92]}
+    ratio = scaling.analyze("mlp", _measured(step_ms))["ratios"]["c+TNT_FUSION_THRESHOLD=1024/c"]
+    assert ratio["median"] == pytest.approx(0.90) and ratio["verdict"] == "measured, not judged"
