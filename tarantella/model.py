@@ -355,6 +355,8 @@ class Model(keras.Model):
         self._prepare(spec, step)
         rank, size = self._comm.rank, self._comm.size
         rows = tf.nest.map_structure(lambda t: t[rank::size], batch)
+        if keras.backend.backend() == "jax":  # Keras-on-JAX takes arrays, not tensors, here
+            rows = tf.nest.map_structure(lambda t: t.numpy(), rows)
         return keras.utils.unpack_x_y_sample_weight(rows)
 
     # -- rank-local metric values (for callbacks with aggregate_logs=False) --------------------
