@@ -241,7 +241,8 @@ def _concrete_jax_array(name, value):
 
     if isinstance(value, jax.core.Tracer):
         raise NotImplementedError(
-            f"tnt.{name} cannot run inside jitted JAX code (a custom step or a jax.jit function) yet. Call it "
+            f"tnt.{name} cannot run inside jitted code (a custom step, a jax.jit function) on Keras' JAX "
+            "backend yet. Call it "
             "outside jit, on NumPy or JAX arrays (e.g. in a callback or between fit calls), or use the "
             "TensorFlow backend, where it runs inside tf.function.")
     return np.asarray(value)
