@@ -22,18 +22,16 @@ def _started_as_launcher():
 
 
 if not _started_as_launcher():
+    from tarantella import backend_steps as _backend_steps
     try:
         import keras
         keras.backend.backend()
     except ModuleNotFoundError as missing:
-        if missing.name != "tensorflow":
+        _error = _backend_steps.missing_module_error(missing.name)
+        if _error is None:
             raise
-        raise ImportError("tarantella needs TensorFlow, which is not installed. Install it with tarantella: "
-                          "pip install 'tarantella[cpu]' (or 'tarantella[gpu]' on GPU nodes).") from None
-
-    if keras.backend.backend() != "tensorflow":
-        raise ImportError(f"tarantella needs Keras' TensorFlow backend, but Keras runs on "
-                          f"{keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing keras.")
+        raise _error from None
+    _backend_steps.check_supported(keras.backend.backend())
 
     from tarantella.communication import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
                                           RankFailedError, RankLeftError, get_master_rank, get_rank, get_size,

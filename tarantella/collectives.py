@@ -223,6 +223,8 @@ def _leaves(name, values):
     leaves = tf.nest.flatten(values)
     converted = []
     for leaf in leaves:
+        if type(leaf).__module__.startswith("jax"):
+            leaf = _concrete_jax_array(name, leaf)
         if leaf is None or isinstance(leaf, (tf.Tensor, tf.Variable, keras.Variable)):
             converted.append(leaf)
         elif isinstance(leaf, (np.ndarray, np.generic, int, float, complex, bool)):
@@ -231,6 +233,19 @@ def _leaves(name, values):
             raise TypeError(f"tnt.{name} takes tensors, variables, NumPy arrays and numbers, or lists, "
                             f"tuples and dicts of them; got {type(leaf).__name__}.")
     return [leaf if leaf is None or isinstance(leaf, np.ndarray) else _DTypeOf(leaf) for leaf in converted]
+
+
+def _concrete_jax_array(name, value):
+    """A JAX array as NumPy; a traced one (inside jax.jit, e.g. a jitted Keras step) is refused."""
+    import jax
+
+    if isinstance(value, jax.core.Tracer):
+        raise NotImplementedError(
+            f"tnt.{name} cannot run inside jitted code (a custom step, a jax.jit function) on Keras' JAX "
+            "backend yet. Call it "
+            "outside jit, on NumPy or JAX arrays (e.g. in a callback or between fit calls), or use the "
+            "TensorFlow backend, where it runs inside tf.function.")
+    return np.asarray(value)
 
 
 class _DTypeOf:

@@ -686,7 +686,9 @@ def keras_iterators_before(epoch, batches_known):
 
     Keras creates one at the start of every epoch and, when the dataset's cardinality tells it
     the number of batches, another one (unused) as soon as an epoch has seen them all. (Checked
-    against Keras in tests/test_keras_internals.py.)"""
+    against Keras in tests/test_keras_internals.py.) Keras-on-JAX's fit creates one per epoch."""
+    if keras.backend.backend() == "jax":
+        return epoch
     return 2 * epoch if batches_known else epoch
 
 

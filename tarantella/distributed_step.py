@@ -77,6 +77,10 @@ class DistributedStep:
             full.set_shape([None] + local.shape[1:])
         return tf.nest.pack_sequence_as(y_pred, gathered)
 
+    def wrap_predict_function(self, predict_function):
+        """Keras' predict function as it is: `predict` gathers inside the step."""
+        return predict_function
+
     def optimizers(self):
         """Every optimizer the wrapped model holds: `optimizer` and any other attribute (a GAN's
         `d_optimizer`, ...); an optimizer wrapped by another (LossScaleOptimizer) counts once."""

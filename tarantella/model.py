@@ -1,7 +1,8 @@
 """tnt.Model: a keras.Model that trains data-parallel across all ranks.
 
 A thin wrapper: it turns the user's input into each rank's micro-batches (data.py), runs
-the wrapped model's own steps through `distributed_step.DistributedStep` (which makes the
+the wrapped model's own steps through the step module of Keras' backend (backend_steps.py:
+`distributed_step.DistributedStep` on TensorFlow, `jax_step.JaxStep` on JAX, which make the
 gradients, losses and metrics those of the serial step), gives every rank the master's
 weights before the first step, and saves through saving.py. Everything else a Keras user
 reads answers as the wrapped model does. With one rank, every method is plain Keras.
@@ -16,8 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from tarantella import callbacks as callbacks_module
-from tarantella import (agreement, backups, communication, config, data, distributed_step, gradients, saving,
-                        timeline)
+from tarantella import agreement, backend_steps, backups, communication, config, data, saving, timeline
 
 logger = communication.logger
 
@@ -69,6 +69,7 @@ class Model(keras.Model):
         if not isinstance(synchronized_batch_normalization, bool):
             raise TypeError(f"synchronized_batch_normalization must be True or False; got "
                             f"{synchronized_batch_normalization!r}.")
+        _refuse_what_jax_lacks(model, synchronized_batch_normalization)
         super().__init__(name=model.name)
         self._keras_model = model
         self._comm = communication.init()
@@ -81,10 +82,12 @@ class Model(keras.Model):
         self._weights_synced = False
         self._warned_batch_normalization = False
         self._local_epoch_logs = None
-        self._step = distributed_step.DistributedStep(
-            self._comm, model, gradients.GradientAllreduce(self._comm, config.fusion_threshold_bytes()))
-        if self._distributed:
-            self._jit_compile = False  # a host-side allreduce cannot live inside an XLA cluster
+        self._step = backend_steps.for_model(self._comm, model)
+        # On TensorFlow a host-side allreduce cannot live inside an XLA cluster; JAX's jitted step
+        # reaches it through callbacks.
+        self._host_allreduce_outside_xla = self._distributed and keras.backend.backend() == "tensorflow"
+        if self._host_allreduce_outside_xla:
+            self._jit_compile = False
         self.built = model.built
 
     # -- the wrapped model -------------------------------------------------------
@@ -170,10 +173,10 @@ class Model(keras.Model):
     def compile(self, *args, jit_compile="auto", **kwargs):
         """Compiles the wrapped model with the user's arguments (its own compile signature, if it
         has one); the wrapper shares its optimizer. Saved files are then complete Keras files."""
-        if self._distributed and jit_compile not in ("auto", False, None):
+        if self._host_allreduce_outside_xla and jit_compile not in ("auto", False, None):
             logger.warning("jit_compile=True is ignored with %d ranks: XLA cannot compile the host-side "
                            "gradient allreduce, so the step runs without XLA.", self._comm.size)
-        if self._distributed:
+        if self._host_allreduce_outside_xla:
             jit_compile = False  # Keras would pick XLA by itself on a GPU
         if _overrides(self._keras_model, "compile"):
             self._keras_model.compile(*args, **kwargs)
@@ -214,6 +217,7 @@ class Model(keras.Model):
             epoch_order.skip_earlier_passes_of(x)
         if users_dataset is not None:
             users_dataset._tarantella_fitted = True
+        self._draw_jax_build_pass(x)
         if validation_data is not None:
             val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(validation_data)
             validation_data = self._input(
@@ -295,20 +299,28 @@ class Model(keras.Model):
             self.test_function = timeline.recorder.timed_steps(self.test_function, "test step")
         return self.test_function
 
-    def train_step(self, data_batch):
-        if not self._distributed:
-            return self._keras_model.train_step(data_batch)
-        return self._step.train(data_batch)
+    def make_predict_function(self, force=False):
+        new = self.predict_function is None or force
+        super().make_predict_function(force)
+        if new and self._distributed:
+            self.predict_function = self._step.wrap_predict_function(self.predict_function)
+        return self.predict_function
 
-    def test_step(self, data_batch):
+    # The arguments are the backend trainer's: (data) on TensorFlow, (state, data) on JAX.
+    def train_step(self, *step_arguments):
         if not self._distributed:
-            return self._keras_model.test_step(data_batch)
-        return self._step.test(data_batch)
+            return self._keras_model.train_step(*step_arguments)
+        return self._step.train(*step_arguments)
 
-    def predict_step(self, data_batch):
+    def test_step(self, *step_arguments):
         if not self._distributed:
-            return self._keras_model.predict_step(data_batch)
-        return self._step.predict(data_batch)
+            return self._keras_model.test_step(*step_arguments)
+        return self._step.test(*step_arguments)
+
+    def predict_step(self, *step_arguments):
+        if not self._distributed:
+            return self._keras_model.predict_step(*step_arguments)
+        return self._step.predict(*step_arguments)
 
     # -- one global batch, given whole to every rank ------------------------------------------
 
@@ -343,6 +355,8 @@ class Model(keras.Model):
         self._prepare(spec, step)
         rank, size = self._comm.rank, self._comm.size
         rows = tf.nest.map_structure(lambda t: data.rows_of_rank(t, rank, size), batch)
+        if keras.backend.backend() != "tensorflow":  # Keras-on-JAX and on torch take arrays here
+            rows = tf.nest.map_structure(lambda t: t.numpy(), rows)
         return keras.utils.unpack_x_y_sample_weight(rows)
 
     # -- rank-local metric values (for callbacks with aggregate_logs=False) --------------------
@@ -400,9 +414,26 @@ class Model(keras.Model):
                 f"batches ({listing}). Every rank must run the same number of steps: give each rank the "
                 "same number of batches (e.g. shard, then take()), or pass the steps argument.")
 
+    def _draw_jax_build_pass(self, dataset):
+        """Keras-on-JAX's fit builds an unbuilt model, or its compiled loss and metrics, from the first
+        batch of one extra pass over the dataset, and that pass draws a shuffle order of its own. So
+        the pass is drawn here and the wrapped model built from the dataset's spec: the epochs then
+        see serial Keras' orders."""
+        wrapped = self._keras_model
+        unbuilt = [state for state in (wrapped._compile_metrics, wrapped._compile_loss)
+                   if state is not None and not state.built]
+        if keras.backend.backend() != "jax" or (wrapped.built and not unbuilt):
+            return
+        iter(dataset)
+        wrapped._symbolic_build(data_batch=dataset.element_spec)
+
     def _callbacks_for_this_rank(self, user_callbacks):
         chosen = callbacks_module.for_this_rank(user_callbacks, self._comm)
         wants_local = any(isinstance(c, callbacks_module.Callback) and not c.aggregate_logs for c in chosen)
+        if wants_local and keras.backend.backend() == "jax":
+            raise NotImplementedError(
+                "tnt.keras.callbacks.Callback(aggregate_logs=False) (rank-local logs) is not supported on "
+                "Keras' JAX backend yet. Use aggregate_logs=True (global logs), or the TensorFlow backend.")
         if self._distributed:
             self._track_local_metrics(wants_local)
         return chosen
@@ -507,6 +538,27 @@ class Sequential(Model):
         wrapper = cls.__new__(cls)  # around the rebuilt model, not a new one from layers
         Model.__init__(wrapper, keras_model)
         return wrapper
+
+
+def _refuse_what_jax_lacks(model, synchronized_batch_normalization):
+    """Features of tnt.Model that the JAX step does not have yet: refused on every rank, before
+    any collective, so that no rank waits for another."""
+    if keras.backend.backend() != "jax":
+        return
+    overridden = [method for method in ("train_step", "test_step") if _overrides(model, method)]
+    if overridden:
+        raise NotImplementedError(
+            f"{type(model).__name__} overrides {' and '.join(overridden)}: a custom step is not supported on "
+            "Keras' JAX backend yet (tarantella builds the JAX step from Keras' built-in one). Use the "
+            "built-in step (customize compute_loss or the metrics instead), or the TensorFlow backend.")
+    synchronized = [layer.name for layer in model._flatten_layers()
+                    if isinstance(layer, keras.layers.BatchNormalization) and layer.synchronized]
+    if synchronized_batch_normalization or synchronized:
+        raise NotImplementedError(
+            "Synchronized BatchNormalization (synchronized_batch_normalization=True, or layers with "
+            f"synchronized=True: {synchronized[:5]}) is not supported on Keras' JAX backend yet. Use plain "
+            "BatchNormalization (each rank normalizes with its micro-batch's statistics), or the TensorFlow "
+            "backend.")
 
 
 def _overrides(model, method):

@@ -18,6 +18,14 @@ _LOSS_REDUCTIONS = ("mean", "sum")
 _WEIGHTED_AS_FLOAT32 = {tf.float16, tf.bfloat16}  # m_r * g_r could overflow 16 bits
 
 
+def _refuse_on_jax():
+    if keras.backend.backend() == "jax":
+        raise NotImplementedError(
+            "tnt.optimizers (allreduce_gradients, Optimizer) is not supported on Keras' JAX backend yet: it "
+            "builds TensorFlow ops for a custom training loop. On JAX, train with tnt.Model's fit (Keras' "
+            "built-in step), or use the TensorFlow backend for custom training loops.")
+
+
 def allreduce_gradients(grads, num_samples=None, loss_reduction="mean", variables=None):
     """Returns the gradients of the global batch's loss from this rank's `grads`, on every rank.
 
@@ -31,6 +39,7 @@ def allreduce_gradients(grads, num_samples=None, loss_reduction="mean", variable
     `variables` (aligned with `grads`) gives each gradient its variable's shape, for
     gradients whose static shape TensorFlow left partly unknown (Dense on 3-D inputs).
     """
+    _refuse_on_jax()
     if loss_reduction not in _LOSS_REDUCTIONS:
         raise ValueError(f"loss_reduction={loss_reduction!r}: use 'mean' for a loss averaged over the batch "
                          "(Keras' default) or 'sum' for a loss summed over it.")
@@ -84,6 +93,7 @@ class Optimizer:
     """
 
     def __init__(self, optimizer, loss_reduction="mean"):
+        _refuse_on_jax()
         if isinstance(optimizer, Optimizer):
             raise TypeError("This optimizer is already a tnt.optimizers.Optimizer; wrap the Keras optimizer once.")
         if loss_reduction not in _LOSS_REDUCTIONS:

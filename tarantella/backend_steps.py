@@ -1,0 +1,52 @@
+"""The step module for Keras' backend: the one part of tarantella that differs per backend.
+
+A step module makes the wrapped model's Keras steps global: its object, built by
+`for_model`, has `train`, `test` and `predict` (called as the backend's trainer calls
+`train_step`, `test_step` and `predict_step`), `optimizers()`, `local_metric_state`, and
+`wrap_predict_function`, which may gather predictions outside the compiled step. Everything
+around the steps (data splitting, the communicator, callbacks, saving, the launcher) is shared.
+"""
+
+from tarantella import config
+
+SUPPORTED_BACKENDS = ("tensorflow", "jax")
+_INSTALL_HINTS = {
+    "tensorflow": "pip install 'tarantella[cpu]' (or 'tarantella[gpu]' on GPU nodes)",
+    "jax": "pip install 'tarantella[cpu,jax]'",
+}
+
+
+def check_supported(backend):
+    """Raises ImportError for a Keras backend tarantella cannot distribute."""
+    if backend not in SUPPORTED_BACKENDS:
+        raise ImportError(_unsupported(backend))
+
+
+def missing_module_error(name):
+    """The ImportError for Keras failing to import its backend's module `name`, or None when
+    `name` is no backend."""
+    if name in _INSTALL_HINTS:
+        return ImportError(f"tarantella with Keras' {name!r} backend needs {name}, which is not installed. "
+                           f"Install it with tarantella: {_INSTALL_HINTS[name]}.")
+    if name == "torch":
+        return ImportError(_unsupported(name))
+    return None
+
+
+def _unsupported(backend):
+    return (f"tarantella does not support Keras' {backend!r} backend yet; it supports "
+            f"{' and '.join(repr(b) for b in SUPPORTED_BACKENDS)}. Set KERAS_BACKEND to one of them "
+            "before importing keras.")
+
+
+def for_model(communicator, model):
+    """The distributed step of `model` for the backend Keras runs on."""
+    import keras
+
+    threshold = config.fusion_threshold_bytes()
+    if keras.backend.backend() == "jax":
+        from tarantella import jax_step
+        return jax_step.JaxStep(communicator, model, threshold)
+    from tarantella import distributed_step, gradients
+    return distributed_step.DistributedStep(communicator, model,
+                                            gradients.GradientAllreduce(communicator, threshold))

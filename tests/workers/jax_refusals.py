@@ -1,0 +1,52 @@
+"""Runs one feature that tnt.Model does not have on Keras' JAX backend yet, on every rank.
+
+Each must raise a clear error on every rank, before any collective, so that no rank hangs.
+"""
+
+import os
+import sys
+
+os.environ["KERAS_BACKEND"] = "jax"
+
+import tarantella as tnt  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import keras  # noqa: E402
+
+
+def small_model():
+    return keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+
+
+class OwnTrainStep(keras.Sequential):
+    def train_step(self, state, data):
+        return super().train_step(state, data)
+
+
+def custom_train_step():
+    tnt.Model(OwnTrainStep([keras.Input((4,)), keras.layers.Dense(2)]))
+
+
+def synchronized_batch_normalization():
+    tnt.Model(small_model(), synchronized_batch_normalization=True)
+
+
+def tnt_optimizers():
+    tnt.optimizers.Optimizer(keras.optimizers.SGD())
+
+
+def collective_in_jit():
+    jax.jit(lambda v: tnt.allreduce(v))(jnp.ones(3))
+
+
+FEATURES = {f.__name__: f for f in (custom_train_step, synchronized_batch_normalization, tnt_optimizers,
+                                    collective_in_jit)}
+
+if __name__ == "__main__":
+    # A refusing rank ends normally, so that no rank's failure stops the others before they print.
+    try:
+        FEATURES[sys.argv[1]]()
+    except NotImplementedError as refusal:
+        print(f"rank {tnt.get_rank()} refused: {refusal}", flush=True)
+    else:
+        sys.exit(f"rank {tnt.get_rank()}: {sys.argv[1]} was not refused")
