@@ -202,7 +202,7 @@ class Model(keras.Model):
         with micro-batch x ranks; tnt_distribute_dataset=False means each rank passes its own shard."""
         self._check_compiled("fit")
         if validation_split:
-            if isinstance(x, _BATCHED_INPUTS):
+            if isinstance(x, _BATCHED_INPUTS) or data.is_torch_data_loader(x):
                 raise ValueError("validation_split= needs array inputs; pass validation_data= (a dataset "
                                  "batched with the global batch size) instead.")
             (x, y, sample_weight), validation_data = data.split_for_validation(x, y, sample_weight,
@@ -211,6 +211,7 @@ class Model(keras.Model):
         # which tarantella turns into datasets and shuffles itself, it would warn where Keras does not.
         keras_shuffle = shuffle if isinstance(x, tf.data.Dataset) else False
         epoch_order = data.EpochOrder()
+        users_input = x
         users_dataset = x if isinstance(x, tf.data.Dataset) else None
         x = self._input("fit", x, y, sample_weight, batch_size, tnt_micro_batch_size, tnt_distribute_dataset,
                         shuffle, epoch_order)
@@ -220,12 +221,12 @@ class Model(keras.Model):
             epoch_order.skip_earlier_passes_of(x)
         if users_dataset is not None:
             users_dataset._tarantella_fitted = True
-        self._draw_build_pass(x)
+        self._draw_build_pass(x, users_input)
         if validation_data is not None:
             val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(validation_data)
             validation_data = self._input(
                 "fit (validation_data)", val_x, val_y, val_weight, validation_batch_size or
-                (batch_size if not isinstance(val_x, _BATCHED_INPUTS) else None),
+                (batch_size if not (isinstance(val_x, _BATCHED_INPUTS) or data.is_torch_data_loader(val_x)) else None),
                 tnt_validation_micro_batch_size, tnt_distribute_validation_dataset, shuffle=False)
         if not tnt_distribute_dataset:
             self._check_same_step_counts(x, steps_per_epoch, "training")
@@ -396,6 +397,8 @@ class Model(keras.Model):
                epoch_order=None):
         """The rank's dataset: global batches built from the user's input, then split (if asked)."""
         ranks = self._comm.size if distribute else 1
+        if distribute and self._distributed and data.is_torch_data_loader(x):
+            self._use_masters_torch_generator()
         dataset = data.global_batches(method, x, y, sample_weight, batch_size, micro_batch_size, ranks,
                                       shuffle, epoch_order)
         if not distribute:
@@ -403,6 +406,15 @@ class Model(keras.Model):
                         method)
             return dataset
         return data.distribute(dataset, self._comm.rank, self._comm.size)
+
+    def _use_masters_torch_generator(self):
+        """A shuffling DataLoader draws its order from torch's default generator: every rank takes
+        the master's state, so that all draw serial Keras' order."""
+        import torch
+
+        state = torch.get_rng_state().numpy()
+        self._comm.broadcast_bytes(state, "the broadcast of the master's torch generator state")
+        torch.set_rng_state(torch.from_numpy(state))
 
     def _check_same_step_counts(self, dataset, steps, purpose):
         """With data the user sharded, a rank with fewer batches would leave the others waiting."""
@@ -417,7 +429,7 @@ class Model(keras.Model):
                 f"batches ({listing}). Every rank must run the same number of steps: give each rank the "
                 "same number of batches (e.g. shard, then take()), or pass the steps argument.")
 
-    def _draw_build_pass(self, dataset):
+    def _draw_build_pass(self, dataset, users_input):
         """Keras-on-JAX's and on-torch's fit build an unbuilt model, or its compiled loss and metrics, from the first
         batch of one extra pass over the dataset, and that pass draws a shuffle order of its own. So
         the pass is drawn here and the wrapped model built from the dataset's spec: the epochs then
@@ -427,7 +439,10 @@ class Model(keras.Model):
                    if state is not None and not state.built]
         if keras.backend.backend() == "tensorflow" or (wrapped.built and not unbuilt):
             return
-        iter(dataset)
+        if data.is_torch_data_loader(users_input):
+            data.draw_build_pass_of_torch_data_loader(users_input)
+        else:
+            iter(dataset)
         wrapped._symbolic_build(data_batch=dataset.element_spec)
 
     def _callbacks_for_this_rank(self, user_callbacks):
