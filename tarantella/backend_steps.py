@@ -9,10 +9,12 @@ around the steps (data splitting, the communicator, callbacks, saving, the launc
 
 from tarantella import config
 
-SUPPORTED_BACKENDS = ("tensorflow", "jax")
+SUPPORTED_BACKENDS = ("tensorflow", "jax", "torch")
 _INSTALL_HINTS = {
     "tensorflow": "pip install 'tarantella[cpu]' (or 'tarantella[gpu]' on GPU nodes)",
     "jax": "pip install 'tarantella[cpu,jax]'",
+    # PyPI's torch wheel brings the CUDA libraries (about 4 GB more); PyTorch's CPU index does not.
+    "torch": "pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install 'tarantella[cpu]'",
 }
 
 
@@ -28,14 +30,12 @@ def missing_module_error(name):
     if name in _INSTALL_HINTS:
         return ImportError(f"tarantella with Keras' {name!r} backend needs {name}, which is not installed. "
                            f"Install it with tarantella: {_INSTALL_HINTS[name]}.")
-    if name == "torch":
-        return ImportError(_unsupported(name))
     return None
 
 
 def _unsupported(backend):
     return (f"tarantella does not support Keras' {backend!r} backend yet; it supports "
-            f"{' and '.join(repr(b) for b in SUPPORTED_BACKENDS)}. Set KERAS_BACKEND to one of them "
+            f"{', '.join(repr(b) for b in SUPPORTED_BACKENDS)}. Set KERAS_BACKEND to one of them "
             "before importing keras.")
 
 
@@ -47,6 +47,9 @@ def for_model(communicator, model):
     if keras.backend.backend() == "jax":
         from tarantella import jax_step
         return jax_step.JaxStep(communicator, model, threshold)
+    if keras.backend.backend() == "torch":
+        from tarantella import torch_step
+        return torch_step.TorchStep(communicator, model, threshold)
     from tarantella import distributed_step, gradients
     return distributed_step.DistributedStep(communicator, model,
                                             gradients.GradientAllreduce(communicator, threshold))

@@ -225,6 +225,11 @@ def _leaves(name, values):
     for leaf in leaves:
         if type(leaf).__module__.startswith("jax"):
             leaf = _concrete_jax_array(name, leaf)
+        if keras.backend.backend() == "torch" and not isinstance(leaf, (np.ndarray, np.generic, int, float,
+                                                                         complex, bool, type(None))):
+            raise NotImplementedError(
+                f"tnt.{name} does not take {type(leaf).__name__} values on Keras' PyTorch backend yet. Pass "
+                "NumPy arrays or numbers (e.g. tensor.detach().cpu().numpy()), or use the TensorFlow backend.")
         if leaf is None or isinstance(leaf, (tf.Tensor, tf.Variable, keras.Variable)):
             converted.append(leaf)
         elif isinstance(leaf, (np.ndarray, np.generic, int, float, complex, bool)):

@@ -11,9 +11,11 @@ without a seed gets a fixed default one. The per-sample `map`s placed directly b
 its own rows: the global batch is never built.
 """
 
+import contextlib
 import logging
 import os
 import struct
+import sys
 
 import keras
 import numpy as np
@@ -710,10 +712,13 @@ def global_batches(method, x, y=None, sample_weight=None, batch_size=None, micro
     if isinstance(x, keras.utils.PyDataset):
         _refuse_separate_arrays(method, "a keras.utils.PyDataset", y, sample_weight, batch_size)
         return _from_py_dataset(x, wanted, micro_batch_size, ranks, shuffle, epoch_order)
+    if is_torch_data_loader(x):
+        _refuse_separate_arrays(method, "a torch.utils.data.DataLoader", y, sample_weight, batch_size)
+        return _from_torch_data_loader(x)
     if not _is_arrays(x):
         raise TypeError(
-            f"tnt.Model.{method} takes a tf.data.Dataset, NumPy arrays (or dicts/tuples of them) or a "
-            f"keras.utils.PyDataset; got {type(x).__name__}. Wrap generators in a PyDataset or "
+            f"tnt.Model.{method} takes a tf.data.Dataset, NumPy arrays (or dicts/tuples of them), a "
+            f"keras.utils.PyDataset or a torch DataLoader; got {type(x).__name__}. Wrap generators in a PyDataset or "
             "tf.data.Dataset.from_generator(...).batch(global_batch_size).")
     if wanted is not None and batch_size is not None and batch_size != wanted:
         raise ValueError(
@@ -819,6 +824,72 @@ def _from_py_dataset(py_dataset, wanted, micro_batch_size, ranks, shuffle, epoch
 
     dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
     return dataset.apply(tf.data.experimental.assert_cardinality(batches))  # Keras then knows the steps
+
+
+def is_torch_data_loader(x):
+    """Whether `x` is a torch.utils.data.DataLoader (without importing torch where it is not in use)."""
+    torch_data = sys.modules.get("torch.utils.data")
+    return torch_data is not None and isinstance(x, torch_data.DataLoader)
+
+
+# torch's default generator as serial Keras would have it now. Keras-on-torch wraps the dataset
+# tarantella hands it in a DataLoader of its own, whose every pass draws one number from that
+# generator, which serial Keras does not; so the user's DataLoaders draw from this state instead.
+_serial_torch_generator_state = None
+
+
+@contextlib.contextmanager
+def _serial_torch_generator():
+    """Runs the body with torch's default generator in the serial state; leaves it there after."""
+    import torch
+
+    global _serial_torch_generator_state
+    torch.set_rng_state(_serial_torch_generator_state)
+    try:
+        yield
+    finally:
+        _serial_torch_generator_state = torch.get_rng_state()
+
+
+def draw_build_pass_of_torch_data_loader(loader):
+    """Keras-on-torch's fit builds an unbuilt model from the first batch of one extra pass."""
+    with _serial_torch_generator():
+        next(iter(loader))
+
+
+def _from_torch_data_loader(loader):
+    """The DataLoader's batches (global batches) as a dataset; every rank iterates the whole loader and
+    keeps its rows. A shuffling sampler draws from torch's default generator, which the caller makes
+    the master's on every rank, so all ranks see serial Keras' order."""
+    import torch
+
+    global _serial_torch_generator_state
+    try:
+        batches = len(loader)
+    except TypeError:
+        raise ValueError("tarantella needs a DataLoader with a known length (a map-style dataset, or an "
+                         "iterable one with __len__); an endless one cannot be split into the same number of "
+                         "steps on every rank.") from None
+    _serial_torch_generator_state = torch.get_rng_state()
+    with torch.random.fork_rng(devices=[]):  # peeking must not draw a shuffle that serial Keras does not
+        first = next(iter(loader))
+    as_numpy = lambda batch: tf.nest.map_structure(
+        lambda t: t.numpy() if isinstance(t, torch.Tensor) else np.asarray(t), _as_tuples(batch))
+    signature = tf.nest.map_structure(
+        lambda a: tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype)), as_numpy(first))
+
+    def generate():
+        with _serial_torch_generator():
+            batches = iter(loader)
+        while True:
+            with _serial_torch_generator():
+                batch = next(batches, None)
+            if batch is None:
+                return
+            yield as_numpy(batch)
+
+    dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
+    return dataset.apply(tf.data.experimental.assert_cardinality(batches))
 
 
 def _is_arrays(x):

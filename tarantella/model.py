@@ -2,7 +2,8 @@
 
 A thin wrapper: it turns the user's input into each rank's micro-batches (data.py), runs
 the wrapped model's own steps through the step module of Keras' backend (backend_steps.py:
-`distributed_step.DistributedStep` on TensorFlow, `jax_step.JaxStep` on JAX, which make the
+`distributed_step.DistributedStep` on TensorFlow, `jax_step.JaxStep` on JAX, `torch_step.TorchStep`
+on PyTorch, which make the
 gradients, losses and metrics those of the serial step), gives every rank the master's
 weights before the first step, and saves through saving.py. Everything else a Keras user
 reads answers as the wrapped model does. With one rank, every method is plain Keras.
@@ -69,9 +70,11 @@ class Model(keras.Model):
         if not isinstance(synchronized_batch_normalization, bool):
             raise TypeError(f"synchronized_batch_normalization must be True or False; got "
                             f"{synchronized_batch_normalization!r}.")
-        _refuse_what_jax_lacks(model, synchronized_batch_normalization)
+        _refuse_what_the_backend_lacks(model, synchronized_batch_normalization)
         super().__init__(name=model.name)
         self._keras_model = model
+        # torch.nn.Module keeps sub-modules out of __dict__, where the lookups below read the model.
+        self.__dict__["_keras_model"] = model
         self._comm = communication.init()
         self._distributed = self._comm.size > 1
         if synchronized_batch_normalization and self._distributed:
@@ -199,7 +202,7 @@ class Model(keras.Model):
         with micro-batch x ranks; tnt_distribute_dataset=False means each rank passes its own shard."""
         self._check_compiled("fit")
         if validation_split:
-            if isinstance(x, _BATCHED_INPUTS):
+            if isinstance(x, _BATCHED_INPUTS) or data.is_torch_data_loader(x):
                 raise ValueError("validation_split= needs array inputs; pass validation_data= (a dataset "
                                  "batched with the global batch size) instead.")
             (x, y, sample_weight), validation_data = data.split_for_validation(x, y, sample_weight,
@@ -208,6 +211,7 @@ class Model(keras.Model):
         # which tarantella turns into datasets and shuffles itself, it would warn where Keras does not.
         keras_shuffle = shuffle if isinstance(x, tf.data.Dataset) else False
         epoch_order = data.EpochOrder()
+        users_input = x
         users_dataset = x if isinstance(x, tf.data.Dataset) else None
         x = self._input("fit", x, y, sample_weight, batch_size, tnt_micro_batch_size, tnt_distribute_dataset,
                         shuffle, epoch_order)
@@ -217,12 +221,12 @@ class Model(keras.Model):
             epoch_order.skip_earlier_passes_of(x)
         if users_dataset is not None:
             users_dataset._tarantella_fitted = True
-        self._draw_jax_build_pass(x)
+        self._draw_build_pass(x, users_input)
         if validation_data is not None:
             val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(validation_data)
             validation_data = self._input(
                 "fit (validation_data)", val_x, val_y, val_weight, validation_batch_size or
-                (batch_size if not isinstance(val_x, _BATCHED_INPUTS) else None),
+                (batch_size if not (isinstance(val_x, _BATCHED_INPUTS) or data.is_torch_data_loader(val_x)) else None),
                 tnt_validation_micro_batch_size, tnt_distribute_validation_dataset, shuffle=False)
         if not tnt_distribute_dataset:
             self._check_same_step_counts(x, steps_per_epoch, "training")
@@ -393,6 +397,8 @@ class Model(keras.Model):
                epoch_order=None):
         """The rank's dataset: global batches built from the user's input, then split (if asked)."""
         ranks = self._comm.size if distribute else 1
+        if distribute and self._distributed and data.is_torch_data_loader(x):
+            self._use_masters_torch_generator()
         dataset = data.global_batches(method, x, y, sample_weight, batch_size, micro_batch_size, ranks,
                                       shuffle, epoch_order)
         if not distribute:
@@ -400,6 +406,15 @@ class Model(keras.Model):
                         method)
             return dataset
         return data.distribute(dataset, self._comm.rank, self._comm.size)
+
+    def _use_masters_torch_generator(self):
+        """A shuffling DataLoader draws its order from torch's default generator: every rank takes
+        the master's state, so that all draw serial Keras' order."""
+        import torch
+
+        state = torch.get_rng_state().numpy()
+        self._comm.broadcast_bytes(state, "the broadcast of the master's torch generator state")
+        torch.set_rng_state(torch.from_numpy(state))
 
     def _check_same_step_counts(self, dataset, steps, purpose):
         """With data the user sharded, a rank with fewer batches would leave the others waiting."""
@@ -414,26 +429,30 @@ class Model(keras.Model):
                 f"batches ({listing}). Every rank must run the same number of steps: give each rank the "
                 "same number of batches (e.g. shard, then take()), or pass the steps argument.")
 
-    def _draw_jax_build_pass(self, dataset):
-        """Keras-on-JAX's fit builds an unbuilt model, or its compiled loss and metrics, from the first
+    def _draw_build_pass(self, dataset, users_input):
+        """Keras-on-JAX's and on-torch's fit build an unbuilt model, or its compiled loss and metrics, from the first
         batch of one extra pass over the dataset, and that pass draws a shuffle order of its own. So
         the pass is drawn here and the wrapped model built from the dataset's spec: the epochs then
         see serial Keras' orders."""
         wrapped = self._keras_model
         unbuilt = [state for state in (wrapped._compile_metrics, wrapped._compile_loss)
                    if state is not None and not state.built]
-        if keras.backend.backend() != "jax" or (wrapped.built and not unbuilt):
+        if keras.backend.backend() == "tensorflow" or (wrapped.built and not unbuilt):
             return
-        iter(dataset)
+        if data.is_torch_data_loader(users_input):
+            data.draw_build_pass_of_torch_data_loader(users_input)
+        else:
+            iter(dataset)
         wrapped._symbolic_build(data_batch=dataset.element_spec)
 
     def _callbacks_for_this_rank(self, user_callbacks):
         chosen = callbacks_module.for_this_rank(user_callbacks, self._comm)
         wants_local = any(isinstance(c, callbacks_module.Callback) and not c.aggregate_logs for c in chosen)
-        if wants_local and keras.backend.backend() == "jax":
+        backend = _BACKEND_NAMES.get(keras.backend.backend())
+        if wants_local and backend is not None:
             raise NotImplementedError(
                 "tnt.keras.callbacks.Callback(aggregate_logs=False) (rank-local logs) is not supported on "
-                "Keras' JAX backend yet. Use aggregate_logs=True (global logs), or the TensorFlow backend.")
+                f"Keras' {backend} backend yet. Use aggregate_logs=True (global logs), or the TensorFlow backend.")
         if self._distributed:
             self._track_local_metrics(wants_local)
         return chosen
@@ -540,25 +559,30 @@ class Sequential(Model):
         return wrapper
 
 
-def _refuse_what_jax_lacks(model, synchronized_batch_normalization):
-    """Features of tnt.Model that the JAX step does not have yet: refused on every rank, before
-    any collective, so that no rank waits for another."""
-    if keras.backend.backend() != "jax":
+# How tarantella's messages name the Keras backends whose steps lack some features.
+_BACKEND_NAMES = {"jax": "JAX", "torch": "PyTorch"}
+
+
+def _refuse_what_the_backend_lacks(model, synchronized_batch_normalization):
+    """Features of tnt.Model that the JAX and torch steps do not have yet: refused on every rank,
+    before any collective, so that no rank waits for another."""
+    backend = _BACKEND_NAMES.get(keras.backend.backend())
+    if backend is None:
         return
     overridden = [method for method in ("train_step", "test_step") if _overrides(model, method)]
     if overridden:
         raise NotImplementedError(
             f"{type(model).__name__} overrides {' and '.join(overridden)}: a custom step is not supported on "
-            "Keras' JAX backend yet (tarantella builds the JAX step from Keras' built-in one). Use the "
-            "built-in step (customize compute_loss or the metrics instead), or the TensorFlow backend.")
+            f"Keras' {backend} backend yet (tarantella builds the {backend} step from Keras' built-in one). Use "
+            "the built-in step (customize compute_loss or the metrics instead), or the TensorFlow backend.")
     synchronized = [layer.name for layer in model._flatten_layers()
                     if isinstance(layer, keras.layers.BatchNormalization) and layer.synchronized]
     if synchronized_batch_normalization or synchronized:
         raise NotImplementedError(
             "Synchronized BatchNormalization (synchronized_batch_normalization=True, or layers with "
-            f"synchronized=True: {synchronized[:5]}) is not supported on Keras' JAX backend yet. Use plain "
-            "BatchNormalization (each rank normalizes with its micro-batch's statistics), or the TensorFlow "
-            "backend.")
+            f"synchronized=True: {synchronized[:5]}) is not supported on Keras' {backend} backend yet. Use "
+            "plain BatchNormalization (each rank normalizes with its micro-batch's statistics), or the "
+            "TensorFlow backend.")
 
 
 def _overrides(model, method):

@@ -18,12 +18,13 @@ _LOSS_REDUCTIONS = ("mean", "sum")
 _WEIGHTED_AS_FLOAT32 = {tf.float16, tf.bfloat16}  # m_r * g_r could overflow 16 bits
 
 
-def _refuse_on_jax():
-    if keras.backend.backend() == "jax":
+def _refuse_on_jax_and_torch():
+    backend = {"jax": "JAX", "torch": "PyTorch"}.get(keras.backend.backend())
+    if backend is not None:
         raise NotImplementedError(
-            "tnt.optimizers (allreduce_gradients, Optimizer) is not supported on Keras' JAX backend yet: it "
-            "builds TensorFlow ops for a custom training loop. On JAX, train with tnt.Model's fit (Keras' "
-            "built-in step), or use the TensorFlow backend for custom training loops.")
+            f"tnt.optimizers (allreduce_gradients, Optimizer) is not supported on Keras' {backend} backend yet: "
+            f"it builds TensorFlow ops for a custom training loop. On {backend}, train with tnt.Model's fit "
+            "(Keras' built-in step), or use the TensorFlow backend for custom training loops.")
 
 
 def allreduce_gradients(grads, num_samples=None, loss_reduction="mean", variables=None):
@@ -39,7 +40,7 @@ def allreduce_gradients(grads, num_samples=None, loss_reduction="mean", variable
     `variables` (aligned with `grads`) gives each gradient its variable's shape, for
     gradients whose static shape TensorFlow left partly unknown (Dense on 3-D inputs).
     """
-    _refuse_on_jax()
+    _refuse_on_jax_and_torch()
     if loss_reduction not in _LOSS_REDUCTIONS:
         raise ValueError(f"loss_reduction={loss_reduction!r}: use 'mean' for a loss averaged over the batch "
                          "(Keras' default) or 'sum' for a loss summed over it.")
@@ -93,7 +94,7 @@ class Optimizer:
     """
 
     def __init__(self, optimizer, loss_reduction="mean"):
-        _refuse_on_jax()
+        _refuse_on_jax_and_torch()
         if isinstance(optimizer, Optimizer):
             raise TypeError("This optimizer is already a tnt.optimizers.Optimizer; wrap the Keras optimizer once.")
         if loss_reduction not in _LOSS_REDUCTIONS:

