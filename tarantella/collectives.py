@@ -10,12 +10,12 @@ Every call starts by comparing, across the ranks, which collective it is and the
 shape of each value. Ranks that disagree (shapes, dtypes, roots, structure, or a different
 collective) all raise the same ValueError, before any data moves: no rank truncates a
 message or waits for a partner that will never come. An allgather gathers these layouts (it
-needs every rank's row count); the other collectives compare a 63-bit hash of them in one
-16-byte allreduce and gather the layouts only when the hashes differ, to name the mismatch.
+needs every rank's row count); the other collectives compare a hash of them in the message
+that opens every collective (the agreement) and gather the layouts only when the hashes
+differ, to name the mismatch.
 """
 
 import enum
-import hashlib
 
 import keras
 import numpy as np
@@ -191,16 +191,18 @@ def _collective(name, values, leaves, operation, output_shape, detail, rows_may_
         layout = (name, detail, [(i, str(a.dtype), a.shape) for i, a in zip(present, arrays)])
 
         def run(mpi_comm):
-            if rows_may_differ or not _same_everywhere(mpi_comm, layout):
+            if rows_may_differ or not comm.compared_alike:
                 layouts = mpi_comm.allgather(layout)
                 _check_same_layout(name, layouts, rows_may_differ)
             else:
                 layouts = None  # only allgather reads them
             return operation(mpi_comm, arrays, layouts)
 
-        # The ranks agree on "a public collective"; which one, its arguments and shapes are compared
-        # by _check_same_layout, whose error names them and leaves the ranks able to go on.
-        return comm.run(f"tnt.{name}", run, agree_on="a public collective (tnt.allreduce, ...)")
+        # The ranks agree on "a public collective"; the opening's message also compares the calls'
+        # layouts, and only where they differ are they gathered: _check_same_layout's error names
+        # them and leaves the ranks able to go on.
+        return comm.run(f"tnt.{name}", run, agree_on="a public collective (tnt.allreduce, ...)",
+                        compare=None if rows_may_differ else repr(layout))
 
     if tf.executing_eagerly():
         results = job(*[leaves[i] if isinstance(leaves[i], np.ndarray) else leaves[i].value.numpy()
@@ -260,16 +262,6 @@ class _DTypeOf:
         self.value = value.value if isinstance(value, keras.Variable) else value
         self.dtype = tf.as_dtype(self.value.dtype)
         self.shape = self.value.shape
-
-
-def _same_everywhere(mpi_comm, layout):
-    """Whether every rank passed this layout: the maximum of a hash and of its negation over the
-    ranks are one value only if every rank's hash is that value."""
-    MPI = communication.mpi()
-    digest = int.from_bytes(hashlib.blake2b(repr(layout).encode(), digest_size=8).digest(), "little") >> 1
-    extremes = np.array([digest, -digest], np.int64)
-    mpi_comm.Allreduce(MPI.IN_PLACE, extremes, op=MPI.MAX)
-    return extremes[0] == -extremes[1]
 
 
 def _check_same_layout(name, layouts, rows_may_differ):

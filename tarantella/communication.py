@@ -20,6 +20,7 @@ stall warning and the timeout, and gives up without waiting for MPI.
 """
 
 import atexit
+import hashlib
 import logging
 import os
 import queue
@@ -27,7 +28,6 @@ import socket
 import sys
 import threading
 import time
-import zlib
 
 import numpy as np
 
@@ -150,6 +150,7 @@ class Communicator:
         # waits in (None between collectives) and the one before.
         self.entered = 0
         self.agreements = 0  # of the collectives entered, those that opened with an agreement
+        self.compared_alike = None  # what the last collective's opening found (see run)
         self.current = None
         self.last = None
         self._broken = None  # the error after which this communicator cannot be used
@@ -163,15 +164,17 @@ class Communicator:
         while True:
             self._jobs.get()()
 
-    def run(self, what, operation, agree_on=None, agreed=False):
+    def run(self, what, operation, agree_on=None, agreed=False, compare=None):
         """Runs `operation(mpi_comm)` on the worker, after any gradient round; bounded wait.
 
         First the ranks agree that they all run `agree_on` (default: `what`), unless `agreed`:
-        the opening of the step this collective belongs to covered it."""
+        the opening of the step this collective belongs to covered it. With `compare` (a string,
+        e.g. the call's shapes), the same message also finds whether every rank passed the same
+        one: `operation` reads `compared_alike` (True, False, or None where nothing was compared)."""
         agree_on = None if agreed else (what if agree_on is None else agree_on)
 
         def body():
-            self.enter(what, agree_on)
+            self.enter(what, agree_on, compare=compare)
             return operation(self._mpi)
 
         return self._on_worker(what, body)
@@ -236,22 +239,25 @@ class Communicator:
 
     # -- the agreement before each collective (runs on the worker) ------------------------
 
-    def enter(self, what, agree_on, carried=0):
+    def enter(self, what, agree_on, carried=0, compare=None):
         """Waits until every rank enters a collective; raises if they entered different ones.
 
-        Returns the sum over ranks of the integer `carried`, which rides in the same message.
-        With `agree_on` None it only notes the collective: a step's opening agreed on it."""
+        Returns the sum over ranks of the integer `carried`, which rides in the same message, as
+        does the comparison of `compare` (see `run`). With `agree_on` None it only notes the
+        collective: a step's opening agreed on it."""
         self.current = what
         self.entered += 1
+        self.compared_alike = True if self.size == 1 and compare is not None else None
         if self.size == 1 or agree_on is None:
             return carried
         self.agreements += 1
         MPI = mpi()
-        code = zlib.crc32(agree_on.encode()) % self._code_limit + 1
+        code = self._code(agree_on)
         # Every collective opens with this one message, so ranks in different collectives still
         # meet. The sums of code and code^2 are size*code and size*code^2 only if every rank sent
         # this code (their variance is then zero); exact in int64 for codes below _code_limit.
-        message = np.array([code, code * code, carried], np.int64)
+        compared = [] if compare is None else [self._code(compare), self._code(compare) ** 2]
+        message = np.array([code, code * code, carried] + compared, np.int64)
         self._mpi.Allreduce(MPI.IN_PLACE, message, op=MPI.SUM)
         if message[0] != self.size * code or message[1] != self.size * code * code:
             everyone = self._mpi.allgather((_with_call(what), agree_on))
@@ -266,7 +272,14 @@ class Communicator:
                 summary=f"the ranks entered different collectives: {listing}")
             self._broken = error.summary
             raise error
+        if compare is not None:
+            self.compared_alike = bool(message[3] == self.size * compared[0] and message[4] == self.size * compared[1])
         return int(message[2])
+
+    def _code(self, text):
+        """A number for `text` in 1.._code_limit (about 30 bits for up to a thousand ranks)."""
+        digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+        return digest % self._code_limit + 1
 
     def leave(self):
         if self.current is not None:
