@@ -33,7 +33,7 @@ import keras
 import numpy as np
 from jax.experimental import io_callback
 
-from tarantella import gradients
+from tarantella import gradients, loss_reductions
 
 # MPI has no portable 16-bit float; such gradients travel as float32.
 _WIRE_DTYPES = (jnp.float32, jnp.float64)
@@ -57,6 +57,14 @@ class JaxStep:
     # -- the steps, with Keras' JAX trainer's signatures --------------------------------------
 
     def train(self, state, data):
+        with loss_reductions.only_means_over_entries("JAX"):
+            return self._train(state, data)
+
+    def test(self, state, data):
+        with loss_reductions.only_means_over_entries("JAX"):
+            return self._test(state, data)
+
+    def _train(self, state, data):
         trainable, non_trainable, optimizer_state, metric_state = state
         model = self._model
         data, samples = _at_least_one_row(data)
@@ -82,7 +90,7 @@ class JaxStep:
             non_trainable = new_non_trainable
         return self._logs(metric_state), (trainable, non_trainable, optimizer_state, metric_state)
 
-    def test(self, state, data):
+    def _test(self, state, data):
         trainable, non_trainable, metric_state = state
         model = self._model
         data, samples = _at_least_one_row(data)

@@ -27,7 +27,7 @@ import keras
 import numpy as np
 import torch
 
-from tarantella import gradients
+from tarantella import gradients, loss_reductions
 
 # MPI has no portable 16-bit float; such gradients travel as float32.
 _WIRE_DTYPES = (np.float32, np.float64)
@@ -58,6 +58,14 @@ class TorchStep:
     # -- the steps, with Keras' torch trainer's signatures --------------------------------------
 
     def train(self, data):
+        with loss_reductions.only_means_over_entries("PyTorch"):
+            return self._train(data)
+
+    def test(self, data):
+        with loss_reductions.only_means_over_entries("PyTorch"):
+            return self._test(data)
+
+    def _train(self, data):
         model = self._model
         plan = self._gradient_plan()
         data, samples = _at_least_one_row(data)
@@ -80,7 +88,7 @@ class TorchStep:
                 variable.assign(value)
         return self._global_metrics(metric_variables, state_before, samples > 0)
 
-    def test(self, data):
+    def _test(self, data):
         model = self._model
         data, samples = _at_least_one_row(data)
         metric_variables = model.metrics_variables

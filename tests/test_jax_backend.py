@@ -3,13 +3,14 @@
 The ranks run tests/workers/train_cases.py (the equivalence matrix's worker) with
 KERAS_BACKEND=jax, against the same worker run serially on JAX, at test_equivalence.py's
 tolerances. The default slice covers even, uneven (global batch 71 on 2 ranks) and empty
-micro-batches (batch 2: the last global batch of 1 sample leaves rank 1 without one), the
+micro-batches (batch 2: the last global batch of 1 sample leaves rank 1 without one), and the
 refusals. TNT_BACKEND_TESTS=1 adds every case on 2 ranks,
 the uneven cases on 3 ranks, and the LeNet-5 example under JAX. Skipped where jax is not
 installed (pip install -e ".[cpu,mpich,test,jax]").
 """
 
 import importlib.util
+import re
 import os
 import subprocess
 import sys
@@ -73,12 +74,17 @@ def test_ranks_train_like_serial_keras_on_jax(ranks, serial_dir, scratch):
     ("synchronized_batch_normalization", "Synchronized BatchNormalization"),
     ("tnt_optimizers", "tnt.optimizers"),
     ("collective_in_jit", "tnt.allreduce cannot run inside jitted code"),
+    ("masked_loss", "A masked loss"),
+    ("summed_loss", "reduction='sum'"),
 ])
 def test_features_missing_on_jax_are_refused_on_every_rank(feature, named):
     process = launch(2, WORKERS / "jax_refusals.py", feature, env=JAX, timeout=120)
     assert_ok(process)
-    for rank in range(2):
-        refusal = next(line for line in process.stdout.splitlines() if line.startswith(f"rank {rank} refused"))
+    # The ranks' lines may arrive interleaved: each refusal is read up to the next one.
+    refusals = {int(rank): text for rank, text in re.findall(r"rank (\d) refused: (.*?)(?=rank \d refused|\n|$)",
+                                                             process.stdout)}
+    assert sorted(refusals) == [0, 1], process.stdout[-2000:]
+    for refusal in refusals.values():
         assert named in refusal and "JAX backend" in refusal, refusal
 
 

@@ -76,6 +76,8 @@ def test_ranks_train_like_serial_keras_on_torch(ranks, serial_dir, scratch):
     ("tnt_optimizers", "tnt.optimizers"),
     ("collective_on_tensor", "tnt.allreduce does not take Tensor values"),
     ("local_logs", "aggregate_logs=False"),
+    ("masked_loss", "A masked loss"),
+    ("summed_loss", "reduction='sum'"),
 ])
 def test_features_missing_on_torch_are_refused_on_every_rank(feature, named):
     process = launch(2, WORKERS / "torch_cases.py", "--refuse", feature, env=TORCH, timeout=120)

@@ -87,6 +87,11 @@ def refuse(feature):
             tnt.optimizers.Optimizer(keras.optimizers.SGD())
         elif feature == "collective_on_tensor":
             tnt.allreduce(torch.ones(3))
+        elif feature in ("masked_loss", "summed_loss"):
+            model = tnt.Model(mlp(keras))
+            model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(
+                **({"ignore_class": 0} if feature == "masked_loss" else {"reduction": "sum"})))
+            model.fit(features, labels, batch_size=8, verbose=0)
         elif feature == "local_logs":
             model = tnt.Model(mlp(keras))
             model.compile("sgd", "sparse_categorical_crossentropy")
