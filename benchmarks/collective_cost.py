@@ -16,6 +16,13 @@ output is the median over rounds with the interquartile range, and each way agai
                     the same from a stateful numpy_function in a tf.function
   in-step           a tf.function calling allreduce_sum(agreed=True) from a numpy_function, as the
                     step's losses-and-metrics collective does
+  numpy_function floor
+                    a tf.function calling a numpy_function that returns its input: what any host
+                    call from a TensorFlow graph costs before it communicates
+  bare in numpy_function
+                    the bare Allreduce from a numpy_function in a tf.function, on TensorFlow's
+                    thread: the least a collective inside a step can cost without a worker thread
+                    (and without the fixed order that thread keeps)
 With TNT_TIMELINE set (tarantella --timeline FILE) the master also splits each way's calls, from
 the recorded events, into the hand-off to the worker (the caller's call to the worker's start),
 the collective on the worker, and the hand-back (the worker's end to the caller's return).
@@ -54,6 +61,18 @@ def main():
         return tf.numpy_function(lambda array: comm.allreduce_sum(array, "in-step", agreed=True),
                                  [tensor], tf.int64, stateful=True)
 
+    @tf.function
+    def numpy_function_floor(tensor):
+        return tf.numpy_function(lambda array: array, [tensor], tf.int64, stateful=True)
+
+    def bare_on_this_thread(array):
+        world.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+        return array
+
+    @tf.function
+    def bare_in_numpy_function(tensor):
+        return tf.numpy_function(bare_on_this_thread, [tensor], tf.int64, stateful=True)
+
     tensor = tf.constant(values)
     ways = {
         "bare": bare,
@@ -62,6 +81,8 @@ def main():
         "tnt.allreduce": lambda: tnt.allreduce(values),
         "tnt.allreduce in tf.function": lambda: public_in_function(tensor),
         "in-step": lambda: in_step(tensor),
+        "numpy_function floor": lambda: numpy_function_floor(tensor),
+        "bare in numpy_function": lambda: bare_in_numpy_function(tensor),
     }
     per_round = {name: [] for name in ways}
     for way in ways.values():  # tracing and first calls
