@@ -42,7 +42,13 @@ sparse categorical cross-entropy, accuracy). How noise is kept out:
   range lies on one side of it; otherwise the output says the spread is too large to judge.
 Compare numbers within one invocation only, on a quiet machine.
 
-    python benchmarks/scaling.py [--models lenet5,mlp,resnet50,transformer] [--repeats 12]
+--backend jax or torch runs the workers on that Keras backend (KERAS_BACKEND): LeNet-5 and the
+MLP, variants (a)-(d), (split) and (ring); (d) patches that backend's step to apply each rank's own
+gradients. Several, e.g. --backend tensorflow,jax, are measured one after another, and each
+model's (c)/(d) on the other backend is judged against TensorFlow's times 1.10: met only where its
+interquartile range lies wholly below 1.10 times the lower quartile of TensorFlow's.
+
+    python benchmarks/scaling.py [--backend tensorflow|jax|torch[,...]] [--models lenet5,mlp,resnet50,transformer] [--repeats 12]
         [--steps N] [--quick] [--plot FILE.png] [--json FILE.json]
         [--against REV[,REV...]] [--variants a,b,c,d,e,@REV,horovod,split,keras2,keras2-split,...] [--horovod-venv DIR]
     python benchmarks/scaling.py --compare FIRST.json SECOND.json
@@ -132,6 +138,14 @@ DECOMPOSITION = {("horovod", "keras2-split"): None, ("c", "split"): None, ("d", 
                  ("a", "keras2"): None, ("split", "keras2-split"): None}
 # (c)/(@REV): the code under test against an earlier revision of itself.
 AGAINST_TARGET = 1.00
+# Keras backends (--backend). On JAX and PyTorch: LeNet-5 and the MLP, and the variants that
+# have a meaning there (Horovod, Keras 2, synchronized BatchNormalization, older revisions, the
+# TensorFlow step's ablations and timeline stay TensorFlow's).
+BACKENDS = ("tensorflow", "jax", "torch")
+OTHER_BACKEND_MODELS = ("lenet5", "mlp")
+OTHER_BACKEND_VARIANTS = ("a", "b", "c", "d", "split")
+# A backend's (c)/(d) against TensorFlow's on the same model, measured in the same invocation.
+BACKEND_TARGET = 1.10
 
 
 def against_variants(revisions, scratch):
@@ -188,10 +202,16 @@ def setting_variant(label):
                                   environment=((name, value),))
 
 
-def select_variants(model, named, revisions, horovod_python, horovod_venv):
+def backend_models(backend):
+    return MODELS if backend == "tensorflow" else list(OTHER_BACKEND_MODELS)
+
+
+def select_variants(model, named, revisions, horovod_python, horovod_venv, backend="tensorflow"):
     """{label: Variant} to time for `model`: those `named` (None: the model's own, without the
-    ablations and baselines timed only when named) plus the revisions'. Raises ValueError for a
-    name it cannot time."""
+    ablations and baselines timed only when named) plus the revisions', on Keras' `backend`.
+    Raises ValueError for a name it cannot time."""
+    if backend != "tensorflow":
+        return select_other_backend_variants(model, named, revisions, backend)
     when_named = [label for label in VARIANTS if label.startswith("no-") or label in ("timeline", "split")]
     if "horovod" in MODEL_VARIANTS[model]:
         when_named += [label for label in HOROVOD_ENVIRONMENT if label != "horovod"]
@@ -214,6 +234,24 @@ def select_variants(model, named, revisions, horovod_python, horovod_venv):
                 raise ValueError(f"cannot time {label}: {horovod_missing(horovod_venv)}")
             variants[label] = variants[label]._replace(python=horovod_python)
     return {label: variant for label, variant in variants.items() if label in named}
+
+
+def select_other_backend_variants(model, named, revisions, backend):
+    """select_variants on Keras' JAX or PyTorch backend: the workers run with KERAS_BACKEND set."""
+    if model not in OTHER_BACKEND_MODELS:
+        raise ValueError(f"{model} is timed on the TensorFlow backend only; on {backend}: "
+                         f"{', '.join(OTHER_BACKEND_MODELS)}")
+    if revisions:
+        raise ValueError(f"--against is TensorFlow-only; it cannot time older revisions on {backend}")
+    labels = named if named is not None else [label for label in OTHER_BACKEND_VARIANTS if label != "split"]
+    variants = {}
+    for label in labels:
+        variant = VARIANTS.get(label) if label in OTHER_BACKEND_VARIANTS else setting_variant(label)
+        if variant is None:
+            raise ValueError(f"variant {label} is TensorFlow-only or unknown; on {backend} choose from "
+                             f"{', '.join(OTHER_BACKEND_VARIANTS)} or c+NAME=VALUE")
+        variants[label] = variant._replace(environment=variant.environment + (("KERAS_BACKEND", backend),))
+    return variants
 
 
 class WorkerFailed(RuntimeError):
@@ -421,6 +459,38 @@ def analyze(model, measured):
             "ratios": ratios, "speed_up_c_over_a": speed_up, "agreements_per_step": agreements}
 
 
+def across_backends(results):
+    """Per model measured on TensorFlow and another backend: that backend's (c)/(d) over TensorFlow's,
+    judged against BACKEND_TARGET. The backends ran one after another, not in paired rounds, so a
+    verdict needs the whole of one interquartile range on one side of the target times the other's."""
+    compared = {}
+    for backend, by_model in results.items():
+        if backend == "tensorflow":
+            continue
+        for model, result in by_model.items():
+            reference = results.get("tensorflow", {}).get(model, {}).get("analysis", {}).get("ratios", {}).get("c/d")
+            measured = result["analysis"]["ratios"].get("c/d")
+            if reference is None or measured is None:
+                continue
+            compared.setdefault(model, {})[backend] = {
+                "c/d": measured["median"], "tensorflow_c/d": reference["median"],
+                "ratio": measured["median"] / reference["median"], "target": BACKEND_TARGET,
+                "verdict": backend_verdict(measured, reference, BACKEND_TARGET)}
+    return compared
+
+
+def backend_verdict(measured, reference, target):
+    """'met' or 'MISSED' when the measured ratio's interquartile range lies wholly below or above
+    `target` times the reference's."""
+    if min(len(measured["per_round"]), len(reference["per_round"])) < MIN_ROUNDS_TO_JUDGE:
+        return f"too few rounds to judge (fewer than {MIN_ROUNDS_TO_JUDGE})"
+    if measured["q3"] <= target * reference["q1"]:
+        return "met"
+    if measured["q1"] > target * reference["q3"]:
+        return "MISSED"
+    return "spread too large to judge"
+
+
 # -- output ------------------------------------------------------------------------------
 
 def relative_spread(spread):
@@ -428,8 +498,8 @@ def relative_spread(spread):
     return f"{(spread['q1'] / median - 1) * 100:+.0f}%/{(spread['q3'] / median - 1) * 100:+.0f}%"
 
 
-def print_report(results, repeats):
-    print(f"\nMedian over {repeats} interleaved round(s) of each window's median step time; IQR: interquartile "
+def print_report(results, repeats, backend):
+    print(f"\nKeras backend: {backend}. Median over {repeats} interleaved round(s) of each window's median step time; IQR: interquartile "
           "range relative to the median.")
     header = (f"{'model':<12}{'params':>12}  {'variant':<46}{'step ms':>9}{'IQR':>12}{'samples/s':>11}")
     print(header)
@@ -458,6 +528,18 @@ def print_report(results, repeats):
         print()
 
 
+def print_across_backends(compared):
+    if not compared:
+        return
+    print(f"(c)/(d) per backend against TensorFlow's on the same model (target: at most {BACKEND_TARGET:.2f} "
+          "times TensorFlow's, judged only where both interquartile ranges allow):")
+    for model, by_backend in compared.items():
+        for backend, entry in by_backend.items():
+            print(f"{model:<12}{backend:<12}(c)/(d) {entry['c/d']:.3f}, TensorFlow's {entry['tensorflow_c/d']:.3f}: "
+                  f"ratio {entry['ratio']:.3f}, {entry['verdict']}")
+    print()
+
+
 def print_agreement(analysis, measured):
     agreement = measured["agreement"]
     counts = analysis["agreements_per_step"]
@@ -474,24 +556,28 @@ def print_agreement(analysis, measured):
 
 
 def compare(first_path, second_path):
-    """Prints how far two runs' ratio medians lie apart; returns False if any exceeds AGREEMENT."""
+    """Prints how far two runs' ratio medians lie apart, per Keras backend both measured; returns
+    False if any exceeds AGREEMENT."""
     runs = []
     for path in (first_path, second_path):
         with open(path) as saved:
-            runs.append(json.load(saved)["results"])
+            run = json.load(saved)
+        # Files written before --backend hold one TensorFlow run's models.
+        runs.append(run["results"] if "backends" in run else {"tensorflow": run["results"]})
     agree = True
     print(f"first run: {first_path}; second run: {second_path}")
-    print(f"{'model':<12}{'ratio':<10}{'first run':>10}{'second run':>12}  difference")
-    for model in runs[0]:
-        if model not in runs[1]:
-            continue
-        for name, ratio in runs[0][model]["analysis"]["ratios"].items():
-            first, second = ratio["median"], runs[1][model]["analysis"]["ratios"][name]["median"]
-            difference = abs(second / first - 1)
-            agree &= difference <= AGREEMENT
-            numerator, denominator = name.split("/", 1)
-            print(f"{model:<12}{f'({numerator})/({denominator})':<10}{first:>10.3f}{second:>12.3f}  {difference * 100:>9.1f}%"
-                  + ("" if difference <= AGREEMENT else f"  more than {AGREEMENT:.0%} apart"))
+    for backend in [backend for backend in runs[0] if backend in runs[1]]:
+        print(f"Keras backend: {backend}")
+        print(f"{'model':<12}{'ratio':<10}{'first run':>10}{'second run':>12}  difference")
+        first_models, second_models = runs[0][backend], runs[1][backend]
+        for model in [model for model in first_models if model in second_models]:
+            for name, ratio in first_models[model]["analysis"]["ratios"].items():
+                first, second = ratio["median"], second_models[model]["analysis"]["ratios"][name]["median"]
+                difference = abs(second / first - 1)
+                agree &= difference <= AGREEMENT
+                numerator, denominator = name.split("/", 1)
+                print(f"{model:<12}{f'({numerator})/({denominator})':<10}{first:>10.3f}{second:>12.3f}  "
+                      f"{difference * 100:>9.1f}%" + ("" if difference <= AGREEMENT else f"  more than {AGREEMENT:.0%} apart"))
     print(f"The runs {'agree' if agree else 'do NOT agree'} within {AGREEMENT:.0%} on every ratio.")
     return agree
 
@@ -534,8 +620,13 @@ def plot(results, path):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(MODELS),
-                        help=f"comma-separated, from {', '.join(MODELS)} (default: all)")
+    parser.add_argument("--backend", default="tensorflow", metavar="NAME[,NAME...]",
+                        help=f"Keras backend(s) the workers run on, from {', '.join(BACKENDS)}, measured one after "
+                             f"another (default tensorflow); with tensorflow and another, each model's (c)/(d) is "
+                             f"judged against TensorFlow's times {BACKEND_TARGET:.2f}")
+    parser.add_argument("--models",
+                        help=f"comma-separated, from {', '.join(MODELS)} (default: all that every named backend "
+                             f"times; {', '.join(OTHER_BACKEND_MODELS)} on jax and torch)")
     parser.add_argument("--repeats", type=int, help=f"interleaved rounds of windows (default {DEFAULT_REPEATS})")
     parser.add_argument("--steps", type=int, help="timed steps per window (default: " +
                         ", ".join(f"{model} {steps}" for model, steps in STEPS_PER_WINDOW.items()) + ")")
@@ -558,7 +649,12 @@ def main():
     args = parser.parse_args()
     if args.compare:
         sys.exit(0 if compare(*args.compare) else 1)
-    models = args.models.split(",")
+    backends = args.backend.split(",")
+    unknown = [backend for backend in backends if backend not in BACKENDS]
+    if unknown:
+        parser.error(f"unknown backend(s) {', '.join(unknown)}; choose from {', '.join(BACKENDS)}")
+    models = args.models.split(",") if args.models else [
+        model for model in MODELS if all(model in backend_models(backend) for backend in backends)]
     unknown = [model for model in models if model not in MODELS]
     if unknown:
         parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
@@ -573,7 +669,7 @@ def main():
     warmup = QUICK["warmup"] if args.quick else WARMUP_STEPS
     named = args.variants.split(",") if args.variants else None
     horovod = horovod_python(args.horovod_venv)
-    skipped = horovod_skipped(models, named, horovod, args.horovod_venv)
+    skipped = horovod_skipped(models, named, horovod, args.horovod_venv) if "tensorflow" in backends else None
     if skipped:
         print(skipped, flush=True)
 
@@ -583,30 +679,42 @@ def main():
         revisions = against_variants(args.against.split(","), scratch) if args.against else {}
         try:
             try:  # every model's, before any is measured
-                chosen = {model: select_variants(model, named, revisions, horovod, args.horovod_venv)
-                          for model in models}
+                chosen = {backend: {model: select_variants(model, named, revisions, horovod, args.horovod_venv,
+                                                           backend) for model in models}
+                          for backend in backends}
             except ValueError as error:
                 parser.error(str(error))
-            for model, variants in chosen.items():
-                steps = args.steps or (QUICK["steps"] if args.quick else STEPS_PER_WINDOW[model])
-                try:
-                    measured = measure_model(model, variants, repeats, steps, warmup, scratch)
-                except WorkerFailed as error:
-                    sys.exit(f"benchmark failed: {error}")
-                results[model] = {"measured": measured, "analysis": analyze(model, measured)}
+            for backend, by_model in chosen.items():
+                backend_scratch = os.path.join(scratch, backend)  # each backend's workers' FIFOs
+                os.mkdir(backend_scratch)
+                for model, variants in by_model.items():
+                    steps = args.steps or (QUICK["steps"] if args.quick else STEPS_PER_WINDOW[model])
+                    print(f"{model} on Keras' {backend} backend", file=sys.stderr, flush=True)
+                    try:
+                        measured = measure_model(model, variants, repeats, steps, warmup, backend_scratch)
+                    except WorkerFailed as error:
+                        sys.exit(f"benchmark failed on the {backend} backend: {error}")
+                    results.setdefault(backend, {})[model] = {"measured": measured,
+                                                              "analysis": analyze(model, measured)}
         finally:
             remove_worktrees(revisions)
-    print_report(results, repeats)
+    for backend, by_model in results.items():
+        print_report(by_model, repeats, backend)
+    compared = across_backends(results)
+    print_across_backends(compared)
     print(f"Whole run: {time.monotonic() - started:.0f} s (" + ", ".join(
-        f"{model} {result['measured']['seconds']:.0f} s, of which start-up {result['measured']['start_seconds']:.0f} s"
-        for model, result in results.items()) + ").")
+        f"{model} on {backend} {result['measured']['seconds']:.0f} s, of which start-up "
+        f"{result['measured']['start_seconds']:.0f} s"
+        for backend, by_model in results.items() for model, result in by_model.items()) + ").")
     if args.quick:
         print("--quick: a smoke test; these numbers judge nothing.")
     if args.json:
         with open(args.json, "w") as output:
-            json.dump({"repeats": repeats, "results": results}, output, indent=1)
+            json.dump({"repeats": repeats, "backends": backends, "results": results,
+                       "across_backends": compared}, output, indent=1)
     if args.plot:
-        plot(results, args.plot)
+        plot({model if len(results) == 1 else f"{model} ({backend})": result
+              for backend, by_model in results.items() for model, result in by_model.items()}, args.plot)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ Variants:
   keras         plain Keras; tarantella is never imported
   tarantella    tnt.Model, as many ranks as the launcher starts (1 with plain `python`)
   no-allreduce  tnt.Model with the gradient allreduce replaced by the identity: the
-                compute-only ceiling of a multi-rank step
+                compute-only ceiling of a multi-rank step (on every Keras backend: the
+                gradient summation of that backend's step is patched)
   sync-bn       tnt.Model(..., synchronized_batch_normalization=True)
   no-agreement  tarantella without the agreement allreduce before each collective (ablation:
                 what the agreement costs; a mismatch would then go unnoticed)
@@ -18,6 +19,8 @@ Variants:
   horovod       Horovod 0.28.1 on Keras 2: the interpreter of the environment that
                 benchmarks/make_horovod_venv.sh builds runs this file (LeNet-5 and the MLP
                 only: the other models' definitions need Keras 3)
+
+The Keras backend is KERAS_BACKEND's (TensorFlow where unset); scaling.py sets it per run.
 
 The worker trains one model on random data in a single `fit`. After the untimed warm-up
 steps (tracing), and after every timed window, each rank stops between two steps and
@@ -271,6 +274,26 @@ def measure_bare_ring(model, calls):
     return statistics.median(seconds[1:])
 
 
+def remove_gradient_allreduce(backend):
+    """Each rank applies its own (share-weighted) gradients: the same compute, no gradient traffic.
+    The rest of the backend's step (its opening, the metrics' allreduce) stays."""
+    if backend == "jax":
+        from tarantella import jax_step
+        jax_step.JaxStep._sum_gradients = lambda self, sequence, grads, contributes: grads
+    elif backend == "torch":
+        # The hooks still copy each gradient into its bucket; no bucket is handed to the
+        # communicator, and the optimizer, finding no sums, applies the rank's own gradients.
+        from tarantella import torch_step
+        torch_step._GradientRound._hand_over = lambda self, bucket: None
+        torch_step._GradientRound.summed_gradients = lambda self: {}
+    else:
+        from tarantella import gradients
+
+        def keep_own_gradients(self, rank_gradients, *_, **__):  # what else the step passes varies by revision
+            return list(rank_gradients)
+        gradients.GradientAllreduce.__call__ = keep_own_gradients
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--model", choices=MODELS, required=True)
@@ -314,12 +337,7 @@ def main():
         import tarantella as tnt
         from tarantella import communication
         if args.variant == "no-allreduce":
-            # Each rank applies its own gradients: the same compute, no gradient traffic.
-            from tarantella import gradients
-
-            def keep_own_gradients(self, rank_gradients, *_, **__):  # what else the step passes varies by revision
-                return list(rank_gradients)
-            gradients.GradientAllreduce.__call__ = keep_own_gradients
+            remove_gradient_allreduce(keras.backend.backend())
         if "no-agreement" in args.variant:
             def enter_without_agreement(self, what, agree_on, carried=0):
                 self.current = what
@@ -354,8 +372,10 @@ def main():
         # Only where asked: older revisions (--against) have no such argument.
         model = tnt.Model(model, **({"synchronized_batch_normalization": True} if args.variant == "sync-bn" else {}))
     dataset = tf.data.Dataset.from_tensor_slices((samples, labels)).batch(batch_size).repeat()
-    # Multi-rank tarantella steps never use XLA; keep every variant on the same kind of step.
-    model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"], jit_compile=False)
+    # Multi-rank tarantella steps on TensorFlow never use XLA; keep every variant on the same kind
+    # of step. On JAX every variant's step is jitted (its collectives are callbacks inside it).
+    jit_compile = False if keras.backend.backend() == "tensorflow" else "auto"
+    model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"], jit_compile=jit_compile)
     ready.update(parameters=parameters, global_batch_size=global_batch_size, ranks=ranks,
                  tarantella_folder=tarantella_folder)
     callbacks.append(WindowedTimer(args, rank, is_master, communicator, ready))

@@ -199,3 +199,76 @@ def test_a_setting_variant_runs_c_with_one_environment_setting_and_is_reported_a
     step_ms = {"c": [100] * 5, "c+TNT_FUSION_THRESHOLD=1024": [90, 91, 89, 90, 92]}
     ratio = scaling.analyze("mlp", _measured(step_ms))["ratios"]["c+TNT_FUSION_THRESHOLD=1024/c"]
     assert ratio["median"] == pytest.approx(0.90) and ratio["verdict"] == "measured, not judged"
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_other_backends_time_lenet5_and_the_mlp_with_their_backend_set(backend):
+    selected = scaling.select_variants("mlp", None, {}, None, "", backend)
+    assert list(selected) == ["a", "b", "c", "d"]
+    assert all(("KERAS_BACKEND", backend) in variant.environment for variant in selected.values())
+    named = scaling.select_variants("lenet5", ["c", "d", "split", "c+TNT_FUSION_THRESHOLD=1024"], {}, None, "",
+                                    backend)
+    assert named["split"].ranks == 2
+    assert named["c+TNT_FUSION_THRESHOLD=1024"].environment == (
+        ("TNT_FUSION_THRESHOLD", "1024"), ("KERAS_BACKEND", backend))
+    assert all(variant.environment == () for variant in scaling.select_variants("lenet5", None, {}, None, "").values())
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_tensorflow_only_variants_and_models_are_refused_on_other_backends(backend):
+    for label in ["horovod", "keras2", "keras2-split", "e", "timeline", "no-agreement"]:
+        with pytest.raises(ValueError, match=f"TensorFlow-only or unknown; on {backend}"):
+            scaling.select_variants("lenet5", ["c", label], {}, None, "", backend)
+    for model in ["resnet50", "transformer"]:
+        with pytest.raises(ValueError, match=f"{model} is timed on the TensorFlow backend only"):
+            scaling.select_variants(model, None, {}, None, "", backend)
+    revision = {"@main": scaling.VARIANTS["c"]}
+    with pytest.raises(ValueError, match=f"--against is TensorFlow-only.*{backend}"):
+        scaling.select_variants("lenet5", None, revision, None, "", backend)
+
+
+def test_an_unknown_backend_or_a_tensorflow_only_variant_stops_the_command_before_measuring():
+    done = subprocess.run([sys.executable, str(_PATH), "--backend", "tensorflow,mxnet"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "unknown backend(s) mxnet" in done.stderr
+    done = subprocess.run([sys.executable, str(_PATH), "--backend", "jax", "--variants", "c,horovod"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "variant horovod is TensorFlow-only or unknown; on jax" in done.stderr
+
+
+def _backend_results(c_over_d_per_round):
+    """{backend: {"lenet5": analyzed}} where (d) takes 100 ms and (c) the given multiple in each round."""
+    return {backend: {"lenet5": {"analysis": scaling.analyze("lenet5", _measured(
+        {"c": [100 * r for r in per_round], "d": [100] * len(per_round)}))}}
+        for backend, per_round in c_over_d_per_round.items()}
+
+
+@pytest.mark.parametrize("jax_per_round, verdict", [
+    ([1.10, 1.11, 1.12, 1.13, 1.14], "met"),                        # IQR 1.11-1.13 <= 1.10 * 1.04
+    ([1.20, 1.21, 1.22, 1.23, 1.24], "MISSED"),                     # IQR 1.21-1.23 > 1.10 * 1.06
+    ([1.10, 1.12, 1.15, 1.18, 1.20], "spread too large to judge"),  # IQR 1.12-1.18 straddles 1.144-1.166
+])
+def test_each_backends_c_over_d_is_judged_against_tensorflows_only_where_both_spreads_allow(jax_per_round, verdict):
+    tensorflow_per_round = [1.03, 1.04, 1.05, 1.06, 1.07]
+    compared = scaling.across_backends(_backend_results({"tensorflow": tensorflow_per_round, "jax": jax_per_round}))
+    entry = compared["lenet5"]["jax"]
+    assert entry["tensorflow_c/d"] == pytest.approx(1.05)
+    assert entry["ratio"] == pytest.approx(jax_per_round[2] / 1.05)
+    assert entry["target"] == scaling.BACKEND_TARGET and entry["verdict"] == verdict
+
+
+def test_without_tensorflow_or_enough_rounds_no_backend_is_judged_against_it():
+    assert scaling.across_backends(_backend_results({"jax": [1.1] * 5, "torch": [1.2] * 5})) == {}
+    compared = scaling.across_backends(_backend_results({"tensorflow": [1.0] * 2, "torch": [1.0] * 2}))
+    assert compared["lenet5"]["torch"]["verdict"].startswith("too few rounds")
+
+
+def test_compare_reads_runs_per_backend_and_runs_written_before_backends(tmp_path, capsys):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"results": _backend_results({"tensorflow": [1.10] * 5})["tensorflow"]}))
+    new = tmp_path / "new.json"
+    new.write_text(json.dumps({"backends": ["tensorflow", "jax"],
+                               "results": _backend_results({"tensorflow": [1.12] * 5, "jax": [1.30] * 5})}))
+    assert scaling.compare(old, new)  # only TensorFlow is in both: 1.10 against 1.12
+    out = capsys.readouterr().out
+    assert "Keras backend: tensorflow" in out and "Keras backend: jax" not in out
