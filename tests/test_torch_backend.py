@@ -26,8 +26,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
 TORCH = {"KERAS_BACKEND": "torch"}
 TRAIN_CASES = {2: ["mlp-adam", "mlp-batch71", "mlp-batch2", "tuple-adam", "wide-mlp-adam"],
                3: ["mlp-batch71", "mlp-batch2", "lenet5-momentum", "mlp-unseeded-shuffle"]}
-TORCH_CASES = {2: ["data-loader", "numpy-batch2", "data-loader-shuffled"],
-               3: ["data-loader", "numpy-batch2"]}
+LOSS_CASES = ["ignore-class", "mask-zero", "summed-loss", "weighted-mean", "sample-weights"]
+TORCH_CASES = {2: ["data-loader", "numpy-batch2", "data-loader-shuffled", *LOSS_CASES],
+               3: ["data-loader", "numpy-batch2", *LOSS_CASES]}
 WORKER_CASES = {"train_cases.py": TRAIN_CASES, "torch_cases.py": TORCH_CASES}
 # A shuffled DataLoader: every rank sees the same order, but not yet serial Keras' (see docs/guide.md).
 SAME_ON_EVERY_RANK_ONLY = {"data-loader-shuffled"}
@@ -76,8 +77,6 @@ def test_ranks_train_like_serial_keras_on_torch(ranks, serial_dir, scratch):
     ("tnt_optimizers", "tnt.optimizers"),
     ("collective_on_tensor", "tnt.allreduce does not take Tensor values"),
     ("local_logs", "aggregate_logs=False"),
-    ("masked_loss", "A masked loss"),
-    ("summed_loss", "reduction='sum'"),
 ])
 def test_features_missing_on_torch_are_refused_on_every_rank(feature, named):
     process = launch(2, WORKERS / "torch_cases.py", "--refuse", feature, env=TORCH, timeout=120)

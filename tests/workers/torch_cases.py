@@ -32,16 +32,62 @@ def data_loader(np, torch, batch_size, shuffle):
     return torch.utils.data.DataLoader(samples, batch_size=batch_size, shuffle=shuffle)
 
 
+def sequences(np):
+    """Token sequences padded with zeros, and a label per token."""
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(1, 20, (SAMPLES, 6))
+    lengths = rng.integers(1, 7, SAMPLES)
+    tokens[np.arange(6) >= lengths[:, None]] = 0
+    return tokens, rng.integers(0, 3, (SAMPLES, 6))
+
+
+def masked_sequence_model(keras):
+    """The Embedding's mask (mask_zero=True) passes the Dense layer and reaches the loss."""
+    inputs = keras.Input((6,), dtype="int32")
+    embedded = keras.layers.Embedding(20, 8, mask_zero=True)(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(embedded))
+
+
+# Losses that Keras does not divide by the micro-batch's number of entries.
+LOSS_CASES = {
+    "ignore-class": {"ignore_class": 0},
+    "mask-zero": {},
+    "summed-loss": {"reduction": "sum"},
+    "weighted-mean": {"reduction": "mean_with_sample_weight"},
+    "sample-weights": {},
+}
+
+
+def run_loss_case(name, model, keras, np):
+    """fit, evaluate and predict with global batch 71 (uneven micro-batches on 2 and 3 ranks)."""
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
+                  keras.losses.SparseCategoricalCrossentropy(**LOSS_CASES[name]), metrics=["sparse_categorical_accuracy"])
+    features, labels = sequences(np) if name == "mask-zero" else data(np)
+    weights = None
+    if name in ("weighted-mean", "sample-weights"):
+        weights = np.random.default_rng(2).uniform(0.0, 2.0, SAMPLES).astype("float32")
+    history = model.fit(features, labels, sample_weight=weights, batch_size=71, epochs=3, shuffle=False, verbose=0,
+                        validation_data=(features[:40], labels[:40]))
+    evaluation = model.evaluate(features, labels, sample_weight=weights, batch_size=71, verbose=0)
+    return history, {"evaluation": np.array(evaluation), "predictions": model.predict(features, batch_size=71,
+                                                                                       verbose=0)}
+
+
 def run_case(name, mode, out_dir):
     import keras
     import numpy as np
     import torch
 
     keras.utils.set_random_seed(11)
-    model = mlp(keras)
+    model = masked_sequence_model(keras) if name == "mask-zero" else mlp(keras)
     if mode == "tnt":
         import tarantella as tnt
         model = tnt.Model(model)
+    rank = tnt.get_rank() if mode == "tnt" else 0
+    if name in LOSS_CASES:
+        history, arrays = run_loss_case(name, model, keras, np)
+        save(name, rank, model, history, arrays, out_dir)
+        return
     model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "sparse_categorical_crossentropy",
                   metrics=["sparse_categorical_accuracy"])
     arrays = {}
@@ -56,13 +102,18 @@ def run_case(name, mode, out_dir):
                             validation_data=(features[9:20], labels[9:20]))
         arrays["evaluation"] = np.array(model.evaluate(features, labels, batch_size=7, verbose=0))
         arrays["predictions"] = model.predict(features, batch_size=7, verbose=0)
-    rank = tnt.get_rank() if mode == "tnt" else 0
+    save(name, rank, model, history, arrays, out_dir)
+
+
+def save(name, rank, model, history, arrays, out_dir):
+    import numpy as np
+
     arrays.update({f"weight_{i}": w for i, w in enumerate(model.get_weights())})
     arrays.update({f"history_{key}": np.array(values) for key, values in history.history.items()})
     np.savez(os.path.join(out_dir, f"{name}.rank{rank}.npz"), **arrays)
 
 
-CASES = ["data-loader", "data-loader-shuffled", "numpy-batch2"]
+CASES = ["data-loader", "data-loader-shuffled", "numpy-batch2", *LOSS_CASES]
 
 
 def refuse(feature):
@@ -87,11 +138,6 @@ def refuse(feature):
             tnt.optimizers.Optimizer(keras.optimizers.SGD())
         elif feature == "collective_on_tensor":
             tnt.allreduce(torch.ones(3))
-        elif feature in ("masked_loss", "summed_loss"):
-            model = tnt.Model(mlp(keras))
-            model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(
-                **({"ignore_class": 0} if feature == "masked_loss" else {"reduction": "sum"})))
-            model.fit(features, labels, batch_size=8, verbose=0)
         elif feature == "local_logs":
             model = tnt.Model(mlp(keras))
             model.compile("sgd", "sparse_categorical_crossentropy")
