@@ -880,10 +880,14 @@ def _from_torch_data_loader(loader):
 
     def generate():
         with _serial_torch_generator():
-            batches = iter(loader)
-        while True:
+            passing = iter(loader)
+        for position in range(batches):
             with _serial_torch_generator():
-                batch = next(batches, None)
+                batch = next(passing, None)
+                if position == batches - 1:
+                    # Keras' epoch iterator, having seen every batch, creates the next pass's
+                    # iterator at once (unused): its creation draws the DataLoader's base seed.
+                    iter(loader)
             if batch is None:
                 return
             yield as_numpy(batch)

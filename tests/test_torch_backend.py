@@ -28,10 +28,8 @@ TRAIN_CASES = {2: ["mlp-adam", "mlp-batch71", "mlp-batch2", "tuple-adam", "wide-
                3: ["mlp-batch71", "mlp-batch2", "lenet5-momentum", "mlp-unseeded-shuffle"]}
 LOSS_CASES = ["ignore-class", "mask-zero", "summed-loss", "weighted-mean", "sample-weights"]
 TORCH_CASES = {2: ["data-loader", "numpy-batch2", "data-loader-shuffled", *LOSS_CASES],
-               3: ["data-loader", "numpy-batch2", *LOSS_CASES]}
+               3: ["data-loader", "numpy-batch2", "data-loader-shuffled", *LOSS_CASES]}
 WORKER_CASES = {"train_cases.py": TRAIN_CASES, "torch_cases.py": TORCH_CASES}
-# A shuffled DataLoader: every rank sees the same order, but not yet serial Keras' (see docs/guide.md).
-SAME_ON_EVERY_RANK_ONLY = {"data-loader-shuffled"}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +37,7 @@ def serial_dir(scratch):
     out = scratch / "torch-serial"
     out.mkdir()
     for worker, cases in WORKER_CASES.items():
-        names = sorted((set(cases[2]) | set(cases[3])) - SAME_ON_EVERY_RANK_ONLY)
+        names = sorted(set(cases[2]) | set(cases[3]))
         assert_ok(run_python(WORKERS / worker, "--mode", "serial", "--out", out, "--cases", ",".join(names),
                              env=TORCH))
     return out
@@ -54,7 +52,7 @@ def test_ranks_train_like_serial_keras_on_torch(ranks, serial_dir, scratch):
                          ",".join(cases[ranks]), env=TORCH))
         for case in cases[ranks]:
             per_rank = [load_npz(out / f"{case}.rank{rank}.npz") for rank in range(ranks)]
-            serial = per_rank[0] if case in SAME_ON_EVERY_RANK_ONLY else load_npz(serial_dir / f"{case}.rank0.npz")
+            serial = load_npz(serial_dir / f"{case}.rank0.npz")
             for rank, result in enumerate(per_rank):
                 assert sorted(result) == sorted(serial), case
                 for key in serial:

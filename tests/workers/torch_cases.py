@@ -93,7 +93,10 @@ def run_case(name, mode, out_dir):
     arrays = {}
     if name.startswith("data-loader"):  # global batch 71: uneven micro-batches on 2 and 3 ranks
         shuffled = name == "data-loader-shuffled"
-        history = model.fit(data_loader(np, torch, 71, shuffle=shuffled), epochs=3, verbose=0)
+        # A validation pass between epochs draws from torch's generator too (the DataLoader's base seed).
+        validation = data_loader(np, torch, 40, shuffle=False) if shuffled else None
+        history = model.fit(data_loader(np, torch, 71, shuffle=shuffled), epochs=3, verbose=0,
+                            validation_data=validation)
         arrays["evaluation"] = np.array(model.evaluate(data_loader(np, torch, 71, shuffle=False), verbose=0))
         arrays["predictions"] = model.predict(data_loader(np, torch, 71, shuffle=False), verbose=0)
     elif name == "numpy-batch2":  # the last global batch of 1 sample leaves the other ranks empty
