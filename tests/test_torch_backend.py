@@ -1,7 +1,8 @@
 """Keras' PyTorch backend: tnt.Model on 2 and 3 ranks trains to serial Keras-on-torch's results.
 
 The ranks run tests/workers/train_cases.py (the equivalence matrix's worker) and
-tests/workers/torch_cases.py (DataLoader and NumPy inputs) with KERAS_BACKEND=torch, against
+tests/workers/torch_cases.py (DataLoader and NumPy inputs, masked and non-mean losses,
+train_on_batch, saving and loading, ModelCheckpoint and EarlyStopping) with KERAS_BACKEND=torch, against
 the same workers run serially on torch, at test_equivalence.py's tolerances: even, uneven
 (global batch 71) and empty micro-batches (batch 2), a tuple input, LeNet-5, a 1 MiB gradient
 (the ring allreduce). Also: the features the torch step lacks are refused on every rank, and
@@ -27,7 +28,8 @@ TORCH = {"KERAS_BACKEND": "torch"}
 TRAIN_CASES = {2: ["mlp-adam", "mlp-batch71", "mlp-batch2", "tuple-adam", "wide-mlp-adam"],
                3: ["mlp-batch71", "mlp-batch2", "lenet5-momentum", "mlp-unseeded-shuffle"]}
 LOSS_CASES = ["ignore-class", "mask-zero", "summed-loss", "weighted-mean", "sample-weights"]
-TORCH_CASES = {2: ["data-loader", "numpy-batch2", "data-loader-shuffled", *LOSS_CASES],
+API_CASES = ["on-batch", "save-load", "callbacks"]  # the master writes; every rank loads
+TORCH_CASES = {2: ["data-loader", "numpy-batch2", "data-loader-shuffled", *LOSS_CASES, *API_CASES],
                3: ["data-loader", "numpy-batch2", "data-loader-shuffled", *LOSS_CASES]}
 WORKER_CASES = {"train_cases.py": TRAIN_CASES, "torch_cases.py": TORCH_CASES}
 
@@ -50,6 +52,7 @@ def test_ranks_train_like_serial_keras_on_torch(ranks, serial_dir, scratch):
     for worker, cases in WORKER_CASES.items():
         assert_ok(launch(ranks, WORKERS / worker, "--mode", "tnt", "--out", out, "--cases",
                          ",".join(cases[ranks]), env=TORCH))
+        assert not list(out.glob(".tnt-partial*")), "a save left a partial file"
         for case in cases[ranks]:
             per_rank = [load_npz(out / f"{case}.rank{rank}.npz") for rank in range(ranks)]
             serial = load_npz(serial_dir / f"{case}.rank0.npz")

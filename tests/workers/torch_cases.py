@@ -73,6 +73,46 @@ def run_loss_case(name, model, keras, np):
                                                                                        verbose=0)}
 
 
+def run_api_case(name, model, keras, np, out_dir, load_model):
+    """train_on_batch/test_on_batch, saving and loading, ModelCheckpoint and EarlyStopping."""
+    features, labels = data(np)
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "sparse_categorical_crossentropy",
+                  metrics=["sparse_categorical_accuracy"])
+    arrays = {}
+    if name == "on-batch":  # one global batch of 71 given to every rank
+        for step in range(3):
+            rows = slice(step * 40, step * 40 + 71)
+            logs = model.train_on_batch(features[rows], labels[rows], return_dict=True)
+            arrays[f"train_on_batch_{step}"] = np.array([logs[key] for key in sorted(logs)])
+        logs = model.test_on_batch(features[:71], labels[:71], return_dict=True)
+        arrays["test_on_batch"] = np.array([logs[key] for key in sorted(logs)])
+        arrays["predictions"] = np.asarray(model.predict_on_batch(features[:71]))
+        return {}, arrays
+    if name == "save-load":
+        history = model.fit(features, labels, batch_size=71, epochs=2, shuffle=False, verbose=0)
+        model.save(os.path.join(out_dir, "save-load.keras"))
+        model.save_weights(os.path.join(out_dir, "save-load.weights.h5"))
+        loaded = load_model(os.path.join(out_dir, "save-load.keras"))
+        reloaded = mlp(keras)
+        reloaded.load_weights(os.path.join(out_dir, "save-load.weights.h5"))
+        # The loaded model goes on training with the saved optimizer state.
+        loaded.fit(features, labels, batch_size=71, epochs=1, shuffle=False, verbose=0)
+        arrays.update({f"weight_reloaded_{i}": w for i, w in enumerate(reloaded.get_weights())})
+        arrays.update({f"weight_loaded_then_trained_{i}": w for i, w in enumerate(loaded.get_weights())})
+        return history.history, arrays
+    # callbacks: val_loss stops improving by 0.02 within a few epochs; the best model is kept.
+    checkpoint = os.path.join(out_dir, "callbacks-best.keras")
+    history = model.fit(features, labels, batch_size=71, epochs=20, shuffle=False, verbose=0,
+                        validation_data=(features[:50], labels[:50]), callbacks=[
+                            keras.callbacks.EarlyStopping(monitor="val_loss", min_delta=0.02, patience=1),
+                            keras.callbacks.ModelCheckpoint(checkpoint, monitor="val_loss", save_best_only=True)])
+    arrays.update({f"weight_best_{i}": w for i, w in enumerate(load_model(checkpoint).get_weights())})
+    return history.history, arrays
+
+
+API_CASES = ["on-batch", "save-load", "callbacks"]
+
+
 def run_case(name, mode, out_dir):
     import keras
     import numpy as np
@@ -86,6 +126,11 @@ def run_case(name, mode, out_dir):
     rank = tnt.get_rank() if mode == "tnt" else 0
     if name in LOSS_CASES:
         history, arrays = run_loss_case(name, model, keras, np)
+        save(name, rank, model, history.history, arrays, out_dir)
+        return
+    if name in API_CASES:
+        load_model = tnt.models.load_model if mode == "tnt" else keras.models.load_model
+        history, arrays = run_api_case(name, model, keras, np, out_dir, load_model)
         save(name, rank, model, history, arrays, out_dir)
         return
     model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "sparse_categorical_crossentropy",
@@ -105,18 +150,18 @@ def run_case(name, mode, out_dir):
                             validation_data=(features[9:20], labels[9:20]))
         arrays["evaluation"] = np.array(model.evaluate(features, labels, batch_size=7, verbose=0))
         arrays["predictions"] = model.predict(features, batch_size=7, verbose=0)
-    save(name, rank, model, history, arrays, out_dir)
+    save(name, rank, model, history.history, arrays, out_dir)
 
 
 def save(name, rank, model, history, arrays, out_dir):
     import numpy as np
 
     arrays.update({f"weight_{i}": w for i, w in enumerate(model.get_weights())})
-    arrays.update({f"history_{key}": np.array(values) for key, values in history.history.items()})
+    arrays.update({f"history_{key}": np.array(values) for key, values in history.items()})
     np.savez(os.path.join(out_dir, f"{name}.rank{rank}.npz"), **arrays)
 
 
-CASES = ["data-loader", "data-loader-shuffled", "numpy-batch2", *LOSS_CASES]
+CASES = ["data-loader", "data-loader-shuffled", "numpy-batch2", *LOSS_CASES, *API_CASES]
 
 
 def refuse(feature):
