@@ -98,3 +98,24 @@ def test_lenet5_example_runs_unchanged_on_torch():
     distributed = launch(2, EXAMPLE, *SHORT_RUN, env=TORCH, timeout=600)
     assert_ok(distributed)
     assert abs(accuracy_in(serial.stdout) - accuracy_in(distributed.stdout)) <= 0.003
+
+
+def test_a_rank_killed_mid_epoch_resumes_to_the_uninterrupted_weights_on_torch(tmp_path):
+    """Backups and `--max-restarts` on torch: tests/test_restarts.py's fast case (shuffled arrays,
+    Dropout, Adam), which must end with the weights of the same job without the fault."""
+    import test_restarts as restarts
+
+    reference, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
+    reference.mkdir()
+    resumed.mkdir()
+    process = restarts.tarantella("-n", 2, "--no-gpu", "--", restarts.JOB, reference, cwd=reference, env=TORCH)
+    assert process.returncode == 0, restarts.report(process)
+    process = restarts.tarantella("-n", 2, "--no-gpu", "--max-restarts", 1, "--backup-every-steps", 2, "--",
+                                  restarts.JOB, resumed, cwd=resumed,
+                                  env={**TORCH, "FAULT": "attempt=0,rank=1,fit=1,epoch=1,step=3,how=kill"})
+    assert process.returncode == 0, restarts.report(process)
+    lines = restarts.restart_lines(process.stderr)
+    assert len(lines) == 1 and lines[0] is not None, restarts.report(process)
+    assert "rank 1 on host" in lines[0].group(4) and "Killed (signal 9)" in lines[0].group(4), lines[0].group(0)
+    assert lines[0].group(5).startswith("fit #1 at epoch 2, step 2 (backup of "), lines[0].group(0)
+    restarts.assert_same_results(load_npz(resumed / "weights.npz"), load_npz(reference / "weights.npz"))
