@@ -137,17 +137,19 @@ class AutomaticBackups(keras.callbacks.Callback):
         self._steps_to_replay = header["step"]
         if self._steps_to_replay:
             train_function = self.model.train_function
-            self.model.train_function = lambda iterator: self._replay_or_train(train_function, iterator)
+            self.model.train_function = lambda step_input: self._replay_or_train(train_function, step_input)
         logger.info("fit #%d resumes from %s at epoch %d, step %d.", self._fit_number, self._path,
                     header["epoch"] + 1, header["step"])
 
-    def _replay_or_train(self, train_function, iterator):
+    def _replay_or_train(self, train_function, step_input):
+        """`step_input`: the iterator on TensorFlow; on torch, the batches Keras has drawn for the step."""
         if self._steps_to_replay <= 0:
             self.model.train_function = train_function  # replaying is over: the step itself from now on
             self._replayed = False
-            return train_function(iterator)
-        for _ in range(self.model.steps_per_execution):
-            iterator.get_next()  # the batch the uninterrupted run trained on here
+            return train_function(step_input)
+        if hasattr(step_input, "get_next"):
+            for _ in range(self.model.steps_per_execution):
+                step_input.get_next()  # the batch the uninterrupted run trained on here
         self._steps_to_replay -= self.model.steps_per_execution
         self._replayed = True
         return dict(self._latest_logs)

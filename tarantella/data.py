@@ -688,8 +688,10 @@ def keras_iterators_before(epoch, batches_known):
 
     Keras creates one at the start of every epoch and, when the dataset's cardinality tells it
     the number of batches, another one (unused) as soon as an epoch has seen them all. (Checked
-    against Keras in tests/test_keras_internals.py.) Keras-on-JAX's fit creates one per epoch."""
-    if keras.backend.backend() == "jax":
+    against Keras in tests/test_keras_internals.py.) Keras-on-JAX's fit creates one per epoch, and
+    so does Keras-on-torch's: its DataLoader over the dataset makes the dataset's iterator only when
+    the first batch is asked for, which the unused one never is."""
+    if keras.backend.backend() in ("jax", "torch"):
         return epoch
     return 2 * epoch if batches_known else epoch
 
@@ -880,10 +882,14 @@ def _from_torch_data_loader(loader):
 
     def generate():
         with _serial_torch_generator():
-            batches = iter(loader)
-        while True:
+            passing = iter(loader)
+        for position in range(batches):
             with _serial_torch_generator():
-                batch = next(batches, None)
+                batch = next(passing, None)
+                if position == batches - 1:
+                    # Keras' epoch iterator, having seen every batch, creates the next pass's
+                    # iterator at once (unused): its creation draws the DataLoader's base seed.
+                    iter(loader)
             if batch is None:
                 return
             yield as_numpy(batch)

@@ -1,11 +1,12 @@
-"""Which compiled losses the share weighting makes global on the JAX and PyTorch backends.
+"""Which compiled losses the share weighting makes global on the JAX backend.
 
 Weighting a rank's loss by its share m/B gives the serial loss when the loss is a mean over
 the micro-batch's entries. A mask (an output mask such as `mask_zero=True`'s, or
 `ignore_class`), `reduction="sum"`, or `reduction="mean_with_sample_weight"` with weights
 divides by something else, which the TensorFlow step makes global with one more allreduce
-(distributed_step._GlobalLossTerm). The JAX and torch steps do not have that yet, so such a
-loss is refused there instead of training to a result that differs from serial Keras.
+(distributed_step._GlobalLossTerm; on torch, torch_step._GlobalLossTerm). The JAX step does not
+have that yet, so such a loss is refused there instead of training to a result that differs
+from serial Keras.
 """
 
 import contextlib

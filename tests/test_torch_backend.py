@@ -1,7 +1,8 @@
 """Keras' PyTorch backend: tnt.Model on 2 and 3 ranks trains to serial Keras-on-torch's results.
 
 The ranks run tests/workers/train_cases.py (the equivalence matrix's worker) and
-tests/workers/torch_cases.py (DataLoader and NumPy inputs) with KERAS_BACKEND=torch, against
+tests/workers/torch_cases.py (DataLoader and NumPy inputs, masked and non-mean losses,
+train_on_batch, saving and loading, ModelCheckpoint and EarlyStopping) with KERAS_BACKEND=torch, against
 the same workers run serially on torch, at test_equivalence.py's tolerances: even, uneven
 (global batch 71) and empty micro-batches (batch 2), a tuple input, LeNet-5, a 1 MiB gradient
 (the ring allreduce). Also: the features the torch step lacks are refused on every rank, and
@@ -26,11 +27,11 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
 TORCH = {"KERAS_BACKEND": "torch"}
 TRAIN_CASES = {2: ["mlp-adam", "mlp-batch71", "mlp-batch2", "tuple-adam", "wide-mlp-adam"],
                3: ["mlp-batch71", "mlp-batch2", "lenet5-momentum", "mlp-unseeded-shuffle"]}
-TORCH_CASES = {2: ["data-loader", "numpy-batch2", "data-loader-shuffled"],
-               3: ["data-loader", "numpy-batch2"]}
+LOSS_CASES = ["ignore-class", "mask-zero", "summed-loss", "weighted-mean", "sample-weights"]
+API_CASES = ["on-batch", "save-load", "callbacks"]  # the master writes; every rank loads
+TORCH_CASES = {2: ["data-loader", "numpy-batch2", "data-loader-shuffled", *LOSS_CASES, *API_CASES],
+               3: ["data-loader", "numpy-batch2", "data-loader-shuffled", *LOSS_CASES]}
 WORKER_CASES = {"train_cases.py": TRAIN_CASES, "torch_cases.py": TORCH_CASES}
-# A shuffled DataLoader: every rank sees the same order, but not yet serial Keras' (see docs/guide.md).
-SAME_ON_EVERY_RANK_ONLY = {"data-loader-shuffled"}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def serial_dir(scratch):
     out = scratch / "torch-serial"
     out.mkdir()
     for worker, cases in WORKER_CASES.items():
-        names = sorted((set(cases[2]) | set(cases[3])) - SAME_ON_EVERY_RANK_ONLY)
+        names = sorted(set(cases[2]) | set(cases[3]))
         assert_ok(run_python(WORKERS / worker, "--mode", "serial", "--out", out, "--cases", ",".join(names),
                              env=TORCH))
     return out
@@ -51,9 +52,10 @@ def test_ranks_train_like_serial_keras_on_torch(ranks, serial_dir, scratch):
     for worker, cases in WORKER_CASES.items():
         assert_ok(launch(ranks, WORKERS / worker, "--mode", "tnt", "--out", out, "--cases",
                          ",".join(cases[ranks]), env=TORCH))
+        assert not list(out.glob(".tnt-partial*")), "a save left a partial file"
         for case in cases[ranks]:
             per_rank = [load_npz(out / f"{case}.rank{rank}.npz") for rank in range(ranks)]
-            serial = per_rank[0] if case in SAME_ON_EVERY_RANK_ONLY else load_npz(serial_dir / f"{case}.rank0.npz")
+            serial = load_npz(serial_dir / f"{case}.rank0.npz")
             for rank, result in enumerate(per_rank):
                 assert sorted(result) == sorted(serial), case
                 for key in serial:
@@ -76,8 +78,6 @@ def test_ranks_train_like_serial_keras_on_torch(ranks, serial_dir, scratch):
     ("tnt_optimizers", "tnt.optimizers"),
     ("collective_on_tensor", "tnt.allreduce does not take Tensor values"),
     ("local_logs", "aggregate_logs=False"),
-    ("masked_loss", "A masked loss"),
-    ("summed_loss", "reduction='sum'"),
 ])
 def test_features_missing_on_torch_are_refused_on_every_rank(feature, named):
     process = launch(2, WORKERS / "torch_cases.py", "--refuse", feature, env=TORCH, timeout=120)
@@ -98,3 +98,24 @@ def test_lenet5_example_runs_unchanged_on_torch():
     distributed = launch(2, EXAMPLE, *SHORT_RUN, env=TORCH, timeout=600)
     assert_ok(distributed)
     assert abs(accuracy_in(serial.stdout) - accuracy_in(distributed.stdout)) <= 0.003
+
+
+def test_a_rank_killed_mid_epoch_resumes_to_the_uninterrupted_weights_on_torch(tmp_path):
+    """Backups and `--max-restarts` on torch: tests/test_restarts.py's fast case (shuffled arrays,
+    Dropout, Adam), which must end with the weights of the same job without the fault."""
+    import test_restarts as restarts
+
+    reference, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
+    reference.mkdir()
+    resumed.mkdir()
+    process = restarts.tarantella("-n", 2, "--no-gpu", "--", restarts.JOB, reference, cwd=reference, env=TORCH)
+    assert process.returncode == 0, restarts.report(process)
+    process = restarts.tarantella("-n", 2, "--no-gpu", "--max-restarts", 1, "--backup-every-steps", 2, "--",
+                                  restarts.JOB, resumed, cwd=resumed,
+                                  env={**TORCH, "FAULT": "attempt=0,rank=1,fit=1,epoch=1,step=3,how=kill"})
+    assert process.returncode == 0, restarts.report(process)
+    lines = restarts.restart_lines(process.stderr)
+    assert len(lines) == 1 and lines[0] is not None, restarts.report(process)
+    assert "rank 1 on host" in lines[0].group(4) and "Killed (signal 9)" in lines[0].group(4), lines[0].group(0)
+    assert lines[0].group(5).startswith("fit #1 at epoch 2, step 2 (backup of "), lines[0].group(0)
+    restarts.assert_same_results(load_npz(resumed / "weights.npz"), load_npz(reference / "weights.npz"))
