@@ -21,6 +21,7 @@ import pytest
 from conftest import REPO, WORKERS, assert_ok, launch, load_npz, quiet_env, run_python
 from test_equivalence import UNEVEN_SPLIT_CASES
 from test_example import EXAMPLE, SHORT_RUN, accuracy_in, mnist_installed
+from workers.real_models import CASES as REAL_MODEL_CASES
 from workers.train_cases import CASES
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("jax") is None,
@@ -30,12 +31,40 @@ ALL = os.environ.get("TNT_BACKEND_TESTS") == "1"
 needs_all = pytest.mark.skipif(not ALL, reason="the whole JAX matrix runs with TNT_BACKEND_TESTS=1")
 
 WORKER = WORKERS / "train_cases.py"
+REAL_MODELS_WORKER = WORKERS / "real_models.py"
 JAX = {"KERAS_BACKEND": "jax"}
 DEFAULT_CASES = ["mlp-adam", "mlp-batch71", "mlp-batch2"]
 # steps_per_execution > 1 is refused for predict on JAX with several ranks (see docs/guide.md).
 JAX_CASES = [case for case in CASES if case != "mlp-steps-per-execution"]
 CASES_BY_RANKS = {2: JAX_CASES if ALL else DEFAULT_CASES,
                   3: [case for case in UNEVEN_SPLIT_CASES if case in JAX_CASES]}
+
+
+# Losses that do not divide by the micro-batch's entries: a mask from mask_zero reaching per-timestep
+# outputs, ignore_class, sample weights under both mean reductions, reduction="sum".
+LOSS_CASES_BY_RANKS = {2: ["attention-ignore-class", "summed-loss"] + (
+                           ["masked-sequence", "attention-mask-and-ignore-class", "masked-losses-with-sample-weight"]
+                           if ALL else []),
+                       3: ["masked-sequence", "attention-mask-and-ignore-class", "masked-losses-with-sample-weight",
+                           "summed-loss"]}
+assert all(case in REAL_MODEL_CASES for cases in LOSS_CASES_BY_RANKS.values() for case in cases)
+
+
+def assert_like_serial(serial_dir, out, cases, ranks):
+    for case in cases:
+        serial = load_npz(serial_dir / f"{case}.rank0.npz")
+        per_rank = [load_npz(out / f"{case}.rank{rank}.npz") for rank in range(ranks)]
+        for rank, result in enumerate(per_rank):
+            assert sorted(result) == sorted(serial), case
+            for key in serial:
+                context = f"JAX, case {case}, rank {rank} of {ranks}, {key}"
+                if key.startswith("weight_"):
+                    np.testing.assert_allclose(result[key], serial[key], rtol=0, atol=1e-5, err_msg=context)
+                    np.testing.assert_array_equal(result[key], per_rank[0][key], err_msg=context + " vs rank 0")
+                elif key == "predictions":  # every prediction, in sample order, on every rank
+                    np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-6, err_msg=context)
+                else:  # History, evaluate
+                    np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-7, err_msg=context)
 
 
 @pytest.fixture(scope="module")
@@ -53,20 +82,26 @@ def test_ranks_train_like_serial_keras_on_jax(ranks, serial_dir, scratch):
     out.mkdir()
     cases = CASES_BY_RANKS[ranks]
     assert_ok(launch(ranks, WORKER, "--mode", "tnt", "--out", out, "--cases", ",".join(cases), env=JAX))
-    for case in cases:
-        serial = load_npz(serial_dir / f"{case}.rank0.npz")
-        per_rank = [load_npz(out / f"{case}.rank{rank}.npz") for rank in range(ranks)]
-        for rank, result in enumerate(per_rank):
-            assert sorted(result) == sorted(serial), case
-            for key in serial:
-                context = f"JAX, case {case}, rank {rank} of {ranks}, {key}"
-                if key.startswith("weight_"):
-                    np.testing.assert_allclose(result[key], serial[key], rtol=0, atol=1e-5, err_msg=context)
-                    np.testing.assert_array_equal(result[key], per_rank[0][key], err_msg=context + " vs rank 0")
-                elif key == "predictions":  # every prediction, in sample order, on every rank
-                    np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-6, err_msg=context)
-                else:  # History, evaluate
-                    np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-7, err_msg=context)
+    assert_like_serial(serial_dir, out, cases, ranks)
+
+
+@pytest.fixture(scope="module")
+def loss_serial_dir(scratch):
+    out = scratch / "jax-loss-serial"
+    out.mkdir()
+    cases = sorted(set(LOSS_CASES_BY_RANKS[2]) | (set(LOSS_CASES_BY_RANKS[3]) if ALL else set()))
+    assert_ok(run_python(REAL_MODELS_WORKER, "--mode", "serial", "--out", out, "--cases", ",".join(cases), env=JAX))
+    return out
+
+
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=needs_all)])
+def test_masked_weighted_and_summed_losses_train_like_serial_keras_on_jax(ranks, loss_serial_dir, scratch):
+    out = scratch / f"jax-loss-ranks{ranks}"
+    out.mkdir()
+    cases = LOSS_CASES_BY_RANKS[ranks]
+    assert_ok(launch(ranks, REAL_MODELS_WORKER, "--mode", "tnt", "--out", out, "--cases", ",".join(cases),
+                     env=JAX, timeout=900))
+    assert_like_serial(loss_serial_dir, out, cases, ranks)
 
 
 @pytest.mark.parametrize("feature, named", [
@@ -74,8 +109,6 @@ def test_ranks_train_like_serial_keras_on_jax(ranks, serial_dir, scratch):
     ("synchronized_batch_normalization", "Synchronized BatchNormalization"),
     ("tnt_optimizers", "tnt.optimizers"),
     ("collective_in_jit", "tnt.allreduce cannot run inside jitted code"),
-    ("masked_loss", "A masked loss"),
-    ("summed_loss", "reduction='sum'"),
 ])
 def test_features_missing_on_jax_are_refused_on_every_rank(feature, named):
     process = launch(2, WORKERS / "jax_refusals.py", feature, env=JAX, timeout=120)
