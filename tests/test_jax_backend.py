@@ -20,6 +20,7 @@ import pytest
 
 from conftest import REPO, WORKERS, assert_ok, launch, load_npz, quiet_env, run_python
 from test_equivalence import UNEVEN_SPLIT_CASES
+from test_restarts import JOB, restart_lines, tarantella
 from test_example import EXAMPLE, SHORT_RUN, accuracy_in, mnist_installed
 from workers.real_models import CASES as REAL_MODEL_CASES
 from workers.train_cases import CASES
@@ -130,3 +131,50 @@ def test_lenet5_example_runs_unchanged_on_jax():
     distributed = launch(2, EXAMPLE, *SHORT_RUN, env=JAX, timeout=600)
     assert_ok(distributed)
     assert abs(accuracy_in(serial.stdout) - accuracy_in(distributed.stdout)) <= 0.003
+
+
+def test_a_rank_killed_mid_epoch_resumes_on_jax_with_the_uninterrupted_weights(tmp_path):
+    """Automatic backups read Keras-on-JAX's state mid-epoch, and the restarted fit skips the
+    steps before the backup without training them (tests/test_restarts.py, on TensorFlow)."""
+    uninterrupted, restarted = tmp_path / "uninterrupted", tmp_path / "restarted"
+    uninterrupted.mkdir()
+    restarted.mkdir()
+    assert_ok(tarantella("-n", 2, "--no-gpu", "--", JOB, uninterrupted, cwd=uninterrupted, env=JAX))
+    process = tarantella("-n", 2, "--no-gpu", "--max-restarts", 1, "--backup-every-steps", 2, "--", JOB, restarted,
+                         cwd=restarted, env={**JAX, "FAULT": "attempt=0,rank=1,fit=1,epoch=1,step=3,how=kill"})
+    assert_ok(process)
+    lines = restart_lines(process.stderr)
+    assert len(lines) == 1 and lines[0].group(5).startswith("fit #1 at epoch 2, step 2 "), process.stderr[-3000:]
+    expected, result = load_npz(uninterrupted / "weights.npz"), load_npz(restarted / "weights.npz")
+    assert sorted(result) == sorted(expected)
+    for key in expected:
+        np.testing.assert_array_equal(result[key], expected[key], err_msg=key)
+    assert os.listdir(restarted) == ["weights.npz"], "the backups are removed after a good end"
+
+
+def test_callbacks_saving_loading_and_pydataset_on_jax_as_serial_keras(tmp_path):
+    """ModelCheckpoint writes on the master only, EarlyStopping stops at the serial epoch, the
+    LearningRateScheduler and History log as serially; save/save_weights files load back to the
+    trained weights (tests/workers/callbacks_and_saving.py)."""
+    worker = WORKERS / "callbacks_and_saving.py"
+    serial, distributed = tmp_path / "serial", tmp_path / "tnt"
+    serial.mkdir()
+    distributed.mkdir()
+    assert_ok(run_python(worker, "--mode", "serial", "--out", serial, env=JAX))
+    assert_ok(launch(2, worker, "--mode", "tnt", "--out", distributed, options=["--no-gpu"], env=JAX))
+    expected = load_npz(serial / "rank0" / "results.npz")
+    assert 1 < len(expected["checkpoint_epochs"]) < 30, "EarlyStopping stops the fit early"
+    for rank in range(2):
+        result = load_npz(distributed / f"rank{rank}" / "results.npz")
+        checkpointed = expected if rank == 0 else {"checkpoint_epochs": np.array([], int)}
+        np.testing.assert_array_equal(result["checkpoint_epochs"], checkpointed["checkpoint_epochs"])
+        for key in expected:
+            if key == "checkpoint_epochs" or (rank > 0 and key.startswith("checkpoint_weight_")):
+                continue
+            np.testing.assert_allclose(result[key], expected[key], rtol=1e-5, atol=1e-5,
+                                       err_msg=f"rank {rank}, {key}")
+        for key in [k for k in result if k.startswith("loaded_")]:
+            trained = key.replace("loaded_weights_file_", "weight_").replace("loaded_weight_", "weight_")
+            if trained in result:  # the loaded files hold the trained weights exactly
+                np.testing.assert_array_equal(result[key], result[trained], err_msg=f"rank {rank}, {key}")
+    assert sorted(os.listdir(distributed)) == ["model.keras", "model.weights.h5", "rank0", "rank1"]
