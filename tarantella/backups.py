@@ -80,8 +80,6 @@ class AutomaticBackups(keras.callbacks.Callback):
         if self._comm.rank != communication.MASTER_RANK:
             return
         started = time.monotonic()
-        # Keras' JAX trainer keeps the state of an epoch's steps outside the variables until the epoch ends.
-        getattr(self.model, "jax_state_sync", lambda: None)()
         training, metrics = self._variables()
         arrays = [np.asarray(v.numpy(), order="C") for v in training + metrics]
         header = {"fit": self._fit_number, "epoch": epoch, "step": step, "completed": completed,
@@ -140,8 +138,11 @@ class AutomaticBackups(keras.callbacks.Callback):
         if self._steps_to_replay:
             train_function = self.model.train_function
             if keras.backend.backend() == "jax":  # a pure function of the state and the iterator
-                self.model.train_function = lambda state, iterator: self._replay_or_train_on_jax(
-                    train_function, state, iterator)
+                # Read once: on JAX, each read of a callback's `model` writes the state of the epoch's
+                # steps into the variables, which a step then reads again instead of its own state.
+                model = self.model
+                model.train_function = lambda state, iterator: self._replay_or_train_on_jax(
+                    model, train_function, state, iterator)
             else:
                 self.model.train_function = lambda iterator: self._replay_or_train(train_function, iterator)
         logger.info("fit #%d resumes from %s at epoch %d, step %d.", self._fit_number, self._path,
@@ -158,14 +159,14 @@ class AutomaticBackups(keras.callbacks.Callback):
         self._replayed = True
         return dict(self._latest_logs)
 
-    def _replay_or_train_on_jax(self, train_function, state, iterator):
+    def _replay_or_train_on_jax(self, model, train_function, state, iterator):
         if self._steps_to_replay <= 0:
-            self.model.train_function = train_function
+            model.train_function = train_function
             self._replayed = False
             return train_function(state, iterator)
-        for _ in range(self.model.steps_per_execution):
+        for _ in range(model.steps_per_execution):
             next(iterator)
-        self._steps_to_replay -= self.model.steps_per_execution
+        self._steps_to_replay -= model.steps_per_execution
         self._replayed = True
         return dict(self._latest_logs), state
 

@@ -2,7 +2,7 @@
 
 Keras' JAX trainer jits a pure `train_step(state, data)`. `JaxStep` builds that function
 from the wrapped model's stateless parts (`compute_loss_and_updates`, the optimizer's
-`stateless_apply`, the metrics' stateless updates), with three things made global:
+`stateless_apply`, the metrics' stateless updates), with four things made global:
 
 1. the global batch size B: the step opens with the communicator's `open_step`, which
    agrees on the step's whole sequence of collectives and sums the ranks' sample counts m
@@ -12,6 +12,9 @@ from the wrapped model's stateless parts (`compute_loss_and_updates`, the optimi
 3. metrics: every metric variable starts the step at zero; the increments of all ranks are
    summed and added to the state the metric had. Keras feeds its loss tracker the
    micro-batch's loss weighted by m, so the summed tracker holds the serial mean loss.
+4. losses that do not divide by the micro-batch's entries (masked, weighted means, sums):
+   each compiled loss term's divisor is summed over ranks and its value rescaled
+   (loss_reductions.global_loss_terms), so that share-weighted sums give the serial loss.
 
 Each of these runs inside the jitted step as an ordered `io_callback` that hands its job to
 the communicator's worker thread and waits for it: the callbacks of a step run in program

@@ -4,8 +4,10 @@ The ranks run tests/workers/train_cases.py (the equivalence matrix's worker) wit
 KERAS_BACKEND=jax, against the same worker run serially on JAX, at test_equivalence.py's
 tolerances. The default slice covers even, uneven (global batch 71 on 2 ranks) and empty
 micro-batches (batch 2: the last global batch of 1 sample leaves rank 1 without one), and the
-refusals. TNT_BACKEND_TESTS=1 adds every case on 2 ranks,
-the uneven cases on 3 ranks, and the LeNet-5 example under JAX. Skipped where jax is not
+refusals, two of the masked and summed losses of tests/workers/real_models.py on 2 ranks,
+callbacks with saving and loading (tests/workers/callbacks_and_saving.py), and a restart from
+an automatic backup. TNT_BACKEND_TESTS=1 adds every case on 2 ranks, the uneven cases and the
+masked, weighted and summed losses on 3 ranks, and the LeNet-5 example under JAX. Skipped where jax is not
 installed (pip install -e ".[cpu,mpich,test,jax]").
 """
 
