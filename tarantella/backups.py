@@ -137,7 +137,14 @@ class AutomaticBackups(keras.callbacks.Callback):
         self._steps_to_replay = header["step"]
         if self._steps_to_replay:
             train_function = self.model.train_function
-            self.model.train_function = lambda step_input: self._replay_or_train(train_function, step_input)
+            if keras.backend.backend() == "jax":  # a pure function of the state and the iterator
+                # Read once: on JAX, each read of a callback's `model` writes the state of the epoch's
+                # steps into the variables, which a step then reads again instead of its own state.
+                model = self.model
+                model.train_function = lambda state, iterator: self._replay_or_train_on_jax(
+                    model, train_function, state, iterator)
+            else:
+                self.model.train_function = lambda step_input: self._replay_or_train(train_function, step_input)
         logger.info("fit #%d resumes from %s at epoch %d, step %d.", self._fit_number, self._path,
                     header["epoch"] + 1, header["step"])
 
@@ -153,6 +160,17 @@ class AutomaticBackups(keras.callbacks.Callback):
         self._steps_to_replay -= self.model.steps_per_execution
         self._replayed = True
         return dict(self._latest_logs)
+
+    def _replay_or_train_on_jax(self, model, train_function, state, iterator):
+        if self._steps_to_replay <= 0:
+            model.train_function = train_function
+            self._replayed = False
+            return train_function(state, iterator)
+        for _ in range(model.steps_per_execution):
+            next(iterator)
+        self._steps_to_replay -= model.steps_per_execution
+        self._replayed = True
+        return dict(self._latest_logs), state
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch

@@ -2,7 +2,7 @@
 
 Keras' JAX trainer jits a pure `train_step(state, data)`. `JaxStep` builds that function
 from the wrapped model's stateless parts (`compute_loss_and_updates`, the optimizer's
-`stateless_apply`, the metrics' stateless updates), with three things made global:
+`stateless_apply`, the metrics' stateless updates), with four things made global:
 
 1. the global batch size B: the step opens with the communicator's `open_step`, which
    agrees on the step's whole sequence of collectives and sums the ranks' sample counts m
@@ -12,6 +12,9 @@ from the wrapped model's stateless parts (`compute_loss_and_updates`, the optimi
 3. metrics: every metric variable starts the step at zero; the increments of all ranks are
    summed and added to the state the metric had. Keras feeds its loss tracker the
    micro-batch's loss weighted by m, so the summed tracker holds the serial mean loss.
+4. losses that do not divide by the micro-batch's entries (masked, weighted means, sums):
+   each compiled loss term's divisor is summed over ranks and its value rescaled
+   (loss_reductions.global_loss_terms), so that share-weighted sums give the serial loss.
 
 Each of these runs inside the jitted step as an ordered `io_callback` that hands its job to
 the communicator's worker thread and waits for it: the callbacks of a step run in program
@@ -25,6 +28,7 @@ A rank without samples (a global batch smaller than the number of ranks) runs th
 zero row and contributes exact zeros; it keeps its non-trainable state as it was.
 """
 
+import contextlib
 import functools
 
 import jax
@@ -57,14 +61,6 @@ class JaxStep:
     # -- the steps, with Keras' JAX trainer's signatures --------------------------------------
 
     def train(self, state, data):
-        with loss_reductions.only_means_over_entries("JAX"):
-            return self._train(state, data)
-
-    def test(self, state, data):
-        with loss_reductions.only_means_over_entries("JAX"):
-            return self._test(state, data)
-
-    def _train(self, state, data):
         trainable, non_trainable, optimizer_state, metric_state = state
         model = self._model
         data, samples = _at_least_one_row(data)
@@ -75,9 +71,10 @@ class JaxStep:
         zeroed = [jnp.zeros_like(v) for v in metric_state]
 
         def share_of_loss(trainable):
-            loss, aux = model.compute_loss_and_updates(
-                trainable, non_trainable, zeroed, x, y, sample_weight, training=True,
-                optimizer_variables=optimizer_state)
+            with self._global_loss_terms(sequence, samples, global_samples):
+                loss, aux = model.compute_loss_and_updates(
+                    trainable, non_trainable, zeroed, x, y, sample_weight, training=True,
+                    optimizer_variables=optimizer_state)
             return loss * share.astype(loss.dtype), aux
 
         (_, aux), grads = jax.value_and_grad(share_of_loss, has_aux=True)(trainable)
@@ -90,16 +87,17 @@ class JaxStep:
             non_trainable = new_non_trainable
         return self._logs(metric_state), (trainable, non_trainable, optimizer_state, metric_state)
 
-    def _test(self, state, data):
+    def test(self, state, data):
         trainable, non_trainable, metric_state = state
         model = self._model
         data, samples = _at_least_one_row(data)
         sequence = ["a test step"]
-        self._open_step(sequence, samples)  # agrees on the step's collectives
+        global_samples = self._open_step(sequence, samples)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         zeroed = [jnp.zeros_like(v) for v in metric_state]
-        _, (unscaled_loss, y_pred, new_non_trainable, increments) = model.compute_loss_and_updates(
-            trainable, non_trainable, zeroed, x, y, sample_weight, training=False)
+        with self._global_loss_terms(sequence, samples, global_samples):
+            _, (unscaled_loss, y_pred, new_non_trainable, increments) = model.compute_loss_and_updates(
+                trainable, non_trainable, zeroed, x, y, sample_weight, training=False)
         _, increments = model._update_metrics_variables(increments, unscaled_loss, x, y, y_pred, sample_weight)
         metric_state = self._add_global_increments(sequence, metric_state, increments, samples > 0)
         if samples > 0:
@@ -140,6 +138,24 @@ class JaxStep:
             return np.int32(self._comm.open_step(what, "; ".join(sequence), samples))
 
         return io_callback(open_step, jax.ShapeDtypeStruct((), jnp.int32), ordered=True)
+
+    def _global_loss_terms(self, sequence, samples, global_samples):
+        """While the loss is traced: the compiled loss terms that do not divide by the micro-batch's
+        entries (masked, weighted mean, summed) are made global, their divisors summed over ranks."""
+        compile_loss = getattr(self._model, "_compile_loss", None)
+        if compile_loss is None or not compile_loss.built:
+            return contextlib.nullcontext()
+        inverse_share = (global_samples / samples).astype(jnp.float32) if samples else jnp.float32(0)
+        what = "the allreduce of a loss's divisor"
+
+        def sum_over_ranks(local):
+            sequence.append(f"{what} of float32[1]")
+            local = jnp.reshape(jax.lax.stop_gradient(local).astype(jnp.float32), (1,))
+            summed = io_callback(functools.partial(self._sum_in_float64, what),
+                                 jax.ShapeDtypeStruct((1,), jnp.float32), local, ordered=True)
+            return summed[0]
+
+        return loss_reductions.global_loss_terms(compile_loss, inverse_share, sum_over_ranks)
 
     def _sum_gradients(self, sequence, grads, contributes):
         """The sum over ranks of the (share-weighted) `grads`; a rank that does not contribute

@@ -1,16 +1,17 @@
-"""Which compiled losses the share weighting makes global on the JAX backend.
+"""Compiled losses that are not a mean over the micro-batch's entries, on the JAX and PyTorch backends.
 
 Weighting a rank's loss by its share m/B gives the serial loss when the loss is a mean over
 the micro-batch's entries. A mask (an output mask such as `mask_zero=True`'s, or
 `ignore_class`), `reduction="sum"`, or `reduction="mean_with_sample_weight"` with weights
-divides by something else, which the TensorFlow step makes global with one more allreduce
-(distributed_step._GlobalLossTerm; on torch, torch_step._GlobalLossTerm). The JAX step does not
-have that yet, so such a loss is refused there instead of training to a result that differs
-from serial Keras.
+divides by something else. `global_loss_terms` makes such a loss global, as the TensorFlow
+step does (distributed_step._GlobalLossTerm): the rank's divisor is summed over ranks and the
+value rescaled. The JAX step sums it in an ordered callback inside the jitted step, the torch
+step in a collective of its own while the loss is computed.
 """
 
 import contextlib
 
+from keras import ops
 # Keras reduces a loss under its mask and sample weights in this private function;
 # tests/test_keras_internals.py checks it.
 from keras.src.losses import loss as keras_loss
@@ -19,34 +20,74 @@ _MEAN_REDUCTIONS = ("mean", "sum_over_batch_size")
 
 
 @contextlib.contextmanager
-def only_means_over_entries(backend):
-    """While a step is traced or runs on `backend`: a loss reduction that is not a mean over the
-    micro-batch's entries raises NotImplementedError, on every rank alike."""
-    original = keras_loss.reduce_weighted_values
-
-    def checked(values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None):
-        why = _why_not_a_mean_over_entries(values, sample_weight, mask, reduction)
-        if why is not None:
-            raise NotImplementedError(
-                f"{why} is not supported on Keras' {backend} backend with several ranks yet: its value "
-                "would differ from serial Keras'. Use a loss that is a mean over the batch (no mask, "
-                "reduction='sum_over_batch_size'), or the TensorFlow backend, where it is supported.")
-        return original(values, sample_weight, mask, reduction, dtype)
-
-    keras_loss.reduce_weighted_values = checked
+def global_loss_terms(compile_loss, inverse_share, sum_over_ranks):
+    """While a step is traced: every term of the built `compile_loss`, weighted by the rank's share
+    m/B (`inverse_share` is B/m, 0 without samples), sums over the ranks to the serial loss.
+    `sum_over_ranks(local)` returns the sum of a float32 scalar over the ranks.
+    Without a built compiled loss (a model compiled without one) nothing changes."""
+    terms = getattr(compile_loss, "_flat_losses", None)  # Keras private; tests/test_keras_internals.py checks it
+    if not terms:
+        yield
+        return
+    originals = list(terms)
+    terms[:] = [term._replace(loss=_GlobalLossTerm(term.loss, inverse_share, sum_over_ranks))
+                for term in originals]
     try:
         yield
     finally:
-        keras_loss.reduce_weighted_values = original
+        terms[:] = originals
 
 
-def _why_not_a_mean_over_entries(values, sample_weight, mask, reduction):
+class _GlobalLossTerm:
+    """One compiled loss, rescaled from the rank's divisor to the global batch's. Keras's
+    `Loss.__call__` merges the output's mask, its own (`ignore_class`) and the sample weights and
+    hands them to `reduce_weighted_values`, which is replaced during the call: the rank's divisor
+    is read from exactly what Keras divides by."""
+
+    def __init__(self, loss, inverse_share, sum_over_ranks):
+        self._loss = loss
+        self._inverse_share = inverse_share
+        self._sum_over_ranks = sum_over_ranks
+
+    def __getattr__(self, name):
+        return getattr(self._loss, name)
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        if getattr(self._loss, "reduction", "sum_over_batch_size") == "sum":
+            value = self._loss(y_true, y_pred, sample_weight)
+            return value * ops.cast(self._inverse_share, value.dtype)
+        original = keras_loss.reduce_weighted_values
+
+        def reduce_globally(values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None):
+            value = original(values, sample_weight, mask, reduction, dtype)
+            local = _local_divisor(values, sample_weight, mask, reduction, dtype)
+            if local is None:
+                return value  # a mean over the micro-batch's entries: the share is the right weight
+            local = ops.where(self._inverse_share > 0, local, 0.0)
+            factor = ops.divide_no_nan(local, self._sum_over_ranks(local)) * self._inverse_share
+            return value * ops.cast(factor, value.dtype)
+
+        keras_loss.reduce_weighted_values = reduce_globally
+        try:
+            return self._loss(y_true, y_pred, sample_weight)
+        finally:
+            keras_loss.reduce_weighted_values = original
+
+
+def _local_divisor(values, sample_weight, mask, reduction, dtype):
+    """What Keras's mean reduction divides the micro-batch's summed loss by (float32), or None
+    where that is the number of entries, which the rank's share already accounts for."""
     if len(getattr(values, "shape", ())) == 0:
-        return None  # Keras returns a scalar as it is
-    if reduction == "sum":
-        return "A loss with reduction='sum'"
-    if reduction in _MEAN_REDUCTIONS and mask is not None:
-        return "A masked loss (an output mask, e.g. from mask_zero=True, or a loss's ignore_class)"
-    if reduction == "mean_with_sample_weight" and (sample_weight is not None or mask is not None):
-        return "A loss with reduction='mean_with_sample_weight' and sample weights or a mask"
-    return None
+        return None  # Keras returns a scalar unreduced
+    if reduction in _MEAN_REDUCTIONS:
+        # A mask weights the unmasked entries by entries/unmasked: the mean of the unmasked ones.
+        return None if mask is None else ops.sum(ops.cast(mask, "float32"))
+    if reduction == "mean_with_sample_weight":
+        as_tensor = lambda t: None if t is None else ops.convert_to_tensor(t, dtype)
+        weights = keras_loss.apply_mask(as_tensor(sample_weight), as_tensor(mask), dtype=values.dtype,
+                                        reduction=reduction)
+        if weights is None:
+            return None
+        _, weights = keras_loss.squeeze_or_expand_to_same_rank(values, ops.cast(weights, values.dtype))
+        return ops.sum(ops.cast(weights, "float32"))  # Keras divides by the summed weights
+    return None  # no reduction

@@ -18,7 +18,7 @@ things global:
 
 A compiled loss that Keras does not divide by the micro-batch's number of entries (a mask from
 `mask_zero` or `ignore_class`, `reduction="mean_with_sample_weight"` with weights) is made
-global as on TensorFlow (distributed_step._GlobalLossTerm): the rank's divisor is summed over
+global as on TensorFlow (loss_reductions.global_loss_terms): the rank's divisor is summed over
 ranks and the value rescaled so that the share-weighted sum is the serial loss;
 `reduction="sum"` is multiplied by the inverse share B/m. Whether Keras divides by a mask is
 known only once the forward pass has run, after the step's opening, so that allreduce opens
@@ -34,13 +34,8 @@ import contextlib
 import keras
 import numpy as np
 import torch
-# Keras reduces a loss under its mask and sample weights in this private function;
-# tests/test_keras_internals.py checks it.
-from keras.src.losses import loss as keras_loss
 
-from tarantella import gradients
-
-_keras_reduce_weighted_values = keras_loss.reduce_weighted_values
+from tarantella import gradients, loss_reductions
 
 # MPI has no portable 16-bit float; such gradients travel as float32.
 _WIRE_DTYPES = (np.float32, np.float64)
@@ -79,14 +74,13 @@ class TorchStep:
         global_samples = self._comm.open_step("the allreduce of micro-batch sizes of a training step",
                                               sequence, samples)
         share = samples / global_samples
-        loss_scale = _LossScale(self._comm, samples, global_samples)
         kept = [v.numpy() for v in model.non_trainable_variables] if samples == 0 else None
         state_before = _zero(metric_variables)
         self._round = _GradientRound(self._comm, plan, contributes=samples > 0)
         try:
             with _share_weighted_scale_loss(model.optimizer, share), \
                     _applying_summed_gradients(model.optimizer, self._round), \
-                    _global_loss_terms(model, loss_scale):
+                    self._global_loss_terms(samples, global_samples):
                 model.train_step(data)
         finally:
             self._round = None
@@ -103,9 +97,25 @@ class TorchStep:
         global_samples = self._comm.open_step("the allreduce of micro-batch sizes of a test step", sequence,
                                               samples)
         state_before = _zero(metric_variables)
-        with _global_loss_terms(model, _LossScale(self._comm, samples, global_samples)):
+        with self._global_loss_terms(samples, global_samples):
             model.test_step(data)
         return self._global_metrics(metric_variables, state_before, samples > 0)
+
+    def _global_loss_terms(self, samples, global_samples):
+        """While the step runs: the compiled loss terms that do not divide by the micro-batch's
+        entries (masked, weighted mean, summed) are made global, their divisors summed over ranks
+        in a collective of their own (whether one is needed shows only as the loss is computed,
+        after the opening)."""
+        compile_loss = getattr(self._model, "_compile_loss", None)
+        if compile_loss is None or not compile_loss.built:
+            return contextlib.nullcontext()
+
+        def sum_over_ranks(local):
+            vector = np.array([float(local)], np.float64)
+            return float(self._comm.allreduce_sum(vector, "the allreduce of a loss's divisor")[0])
+
+        inverse_share = global_samples / samples if samples else 0.0
+        return loss_reductions.global_loss_terms(compile_loss, inverse_share, sum_over_ranks)
 
     def predict(self, data):
         """Every rank's predictions of the global batch, in sample order."""
@@ -220,92 +230,6 @@ class _GradientRound:
                 summed[i] = torch.from_numpy(flat[offset:offset + size]).reshape(tuple(variable.shape)).to(
                     variable.value.dtype)
         return summed
-
-
-class _LossScale:
-    """What turns a rank's compiled loss into its part of the serial loss (see the module doc)."""
-
-    def __init__(self, communicator, samples, global_samples):
-        self._comm = communicator
-        self.contributes = samples > 0
-        self.inverse_share = global_samples / samples if samples else 0.0
-
-    def summed_divisor(self, local):
-        """The sum over ranks of what Keras divides each rank's summed loss by."""
-        vector = np.array([local if self.contributes else 0.0], np.float64)
-        return float(self._comm.allreduce_sum(vector, "the allreduce of a loss's divisor")[0])
-
-
-class _GlobalLossTerm:
-    """A compiled loss whose value, weighted by the rank's share, sums to the serial loss.
-
-    Keras' `Loss.__call__` hands the per-entry losses, the mask (the output's and the loss's
-    own, e.g. `ignore_class`) and the sample weights to `reduce_weighted_values`; that function
-    is replaced during the call, so the divisor is read from what Keras divides by."""
-
-    def __init__(self, loss, scale):
-        self._loss = loss
-        self._scale = scale
-
-    def __getattr__(self, name):
-        return getattr(self._loss, name)
-
-    def __call__(self, y_true, y_pred, sample_weight=None):
-        if getattr(self._loss, "reduction", "sum_over_batch_size") == "sum":
-            return self._loss(y_true, y_pred, sample_weight) * self._scale.inverse_share
-        original = keras_loss.reduce_weighted_values
-        keras_loss.reduce_weighted_values = self._reduce_globally
-        try:
-            return self._loss(y_true, y_pred, sample_weight)
-        finally:
-            keras_loss.reduce_weighted_values = original
-
-    def _reduce_globally(self, values, sample_weight=None, mask=None, reduction="sum_over_batch_size",
-                         dtype=None):
-        """Keras' reduction, rescaled from the rank's divisor to the global batch's."""
-        value = _keras_reduce_weighted_values(values, sample_weight, mask, reduction, dtype)
-        local = _local_divisor(values, sample_weight, mask, reduction, dtype)
-        if local is None:
-            return value  # a mean over the micro-batch's entries: the share is the right weight
-        total = self._scale.summed_divisor(local)
-        factor = local / total * self._scale.inverse_share if total and self._scale.contributes else 0.0
-        return value * factor
-
-
-def _local_divisor(values, sample_weight, mask, reduction, dtype):
-    """What Keras' reduction divides the micro-batch's summed loss by, or None where that is the
-    number of entries, which the rank's share already accounts for."""
-    if len(values.shape) == 0:
-        return None  # Keras returns a scalar unreduced
-    if reduction in ("mean", "sum_over_batch_size"):
-        # A mask weights the unmasked entries by entries/unmasked: the mean of the unmasked ones.
-        return None if mask is None else float(keras.ops.sum(keras.ops.cast(mask, "float64")))
-    if reduction == "mean_with_sample_weight":
-        as_tensor = lambda t: None if t is None else keras.ops.convert_to_tensor(t, dtype)
-        values = keras.ops.convert_to_tensor(values, dtype)
-        weights = keras_loss.apply_mask(as_tensor(sample_weight), as_tensor(mask), dtype=values.dtype,
-                                        reduction=reduction)
-        if weights is None:
-            return None
-        _, weights = keras_loss.squeeze_or_expand_to_same_rank(values, keras.ops.cast(weights, values.dtype))
-        return float(keras.ops.sum(keras.ops.cast(weights, "float64")))  # Keras divides by the summed weights
-    return None  # no reduction
-
-
-@contextlib.contextmanager
-def _global_loss_terms(model, scale):
-    """While a step runs, each compiled loss term is a _GlobalLossTerm."""
-    compile_loss = getattr(model, "_compile_loss", None)
-    terms = getattr(compile_loss, "_flat_losses", None)  # Keras private; tests/test_keras_internals.py checks it
-    if not terms:
-        yield
-        return
-    originals = list(terms)
-    terms[:] = [term._replace(loss=_GlobalLossTerm(term.loss, scale)) for term in originals]
-    try:
-        yield
-    finally:
-        terms[:] = originals
 
 
 @contextlib.contextmanager

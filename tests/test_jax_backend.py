@@ -4,8 +4,10 @@ The ranks run tests/workers/train_cases.py (the equivalence matrix's worker) wit
 KERAS_BACKEND=jax, against the same worker run serially on JAX, at test_equivalence.py's
 tolerances. The default slice covers even, uneven (global batch 71 on 2 ranks) and empty
 micro-batches (batch 2: the last global batch of 1 sample leaves rank 1 without one), and the
-refusals. TNT_BACKEND_TESTS=1 adds every case on 2 ranks,
-the uneven cases on 3 ranks, and the LeNet-5 example under JAX. Skipped where jax is not
+refusals, two of the masked and summed losses of tests/workers/real_models.py on 2 ranks,
+callbacks with saving and loading (tests/workers/callbacks_and_saving.py), and a restart from
+an automatic backup. TNT_BACKEND_TESTS=1 adds every case on 2 ranks, the uneven cases and the
+masked, weighted and summed losses on 3 ranks, and the LeNet-5 example under JAX. Skipped where jax is not
 installed (pip install -e ".[cpu,mpich,test,jax]").
 """
 
@@ -20,7 +22,9 @@ import pytest
 
 from conftest import REPO, WORKERS, assert_ok, launch, load_npz, quiet_env, run_python
 from test_equivalence import UNEVEN_SPLIT_CASES
+from test_restarts import JOB, restart_lines, tarantella
 from test_example import EXAMPLE, SHORT_RUN, accuracy_in, mnist_installed
+from workers.real_models import CASES as REAL_MODEL_CASES
 from workers.train_cases import CASES
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("jax") is None,
@@ -30,12 +34,40 @@ ALL = os.environ.get("TNT_BACKEND_TESTS") == "1"
 needs_all = pytest.mark.skipif(not ALL, reason="the whole JAX matrix runs with TNT_BACKEND_TESTS=1")
 
 WORKER = WORKERS / "train_cases.py"
+REAL_MODELS_WORKER = WORKERS / "real_models.py"
 JAX = {"KERAS_BACKEND": "jax"}
 DEFAULT_CASES = ["mlp-adam", "mlp-batch71", "mlp-batch2"]
 # steps_per_execution > 1 is refused for predict on JAX with several ranks (see docs/guide.md).
 JAX_CASES = [case for case in CASES if case != "mlp-steps-per-execution"]
 CASES_BY_RANKS = {2: JAX_CASES if ALL else DEFAULT_CASES,
                   3: [case for case in UNEVEN_SPLIT_CASES if case in JAX_CASES]}
+
+
+# Losses that do not divide by the micro-batch's entries: a mask from mask_zero reaching per-timestep
+# outputs, ignore_class, sample weights under both mean reductions, reduction="sum".
+LOSS_CASES_BY_RANKS = {2: ["attention-ignore-class", "summed-loss"] + (
+                           ["masked-sequence", "attention-mask-and-ignore-class", "masked-losses-with-sample-weight"]
+                           if ALL else []),
+                       3: ["masked-sequence", "attention-mask-and-ignore-class", "masked-losses-with-sample-weight",
+                           "summed-loss"]}
+assert all(case in REAL_MODEL_CASES for cases in LOSS_CASES_BY_RANKS.values() for case in cases)
+
+
+def assert_like_serial(serial_dir, out, cases, ranks):
+    for case in cases:
+        serial = load_npz(serial_dir / f"{case}.rank0.npz")
+        per_rank = [load_npz(out / f"{case}.rank{rank}.npz") for rank in range(ranks)]
+        for rank, result in enumerate(per_rank):
+            assert sorted(result) == sorted(serial), case
+            for key in serial:
+                context = f"JAX, case {case}, rank {rank} of {ranks}, {key}"
+                if key.startswith("weight_"):
+                    np.testing.assert_allclose(result[key], serial[key], rtol=0, atol=1e-5, err_msg=context)
+                    np.testing.assert_array_equal(result[key], per_rank[0][key], err_msg=context + " vs rank 0")
+                elif key == "predictions":  # every prediction, in sample order, on every rank
+                    np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-6, err_msg=context)
+                else:  # History, evaluate
+                    np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-7, err_msg=context)
 
 
 @pytest.fixture(scope="module")
@@ -53,20 +85,26 @@ def test_ranks_train_like_serial_keras_on_jax(ranks, serial_dir, scratch):
     out.mkdir()
     cases = CASES_BY_RANKS[ranks]
     assert_ok(launch(ranks, WORKER, "--mode", "tnt", "--out", out, "--cases", ",".join(cases), env=JAX))
-    for case in cases:
-        serial = load_npz(serial_dir / f"{case}.rank0.npz")
-        per_rank = [load_npz(out / f"{case}.rank{rank}.npz") for rank in range(ranks)]
-        for rank, result in enumerate(per_rank):
-            assert sorted(result) == sorted(serial), case
-            for key in serial:
-                context = f"JAX, case {case}, rank {rank} of {ranks}, {key}"
-                if key.startswith("weight_"):
-                    np.testing.assert_allclose(result[key], serial[key], rtol=0, atol=1e-5, err_msg=context)
-                    np.testing.assert_array_equal(result[key], per_rank[0][key], err_msg=context + " vs rank 0")
-                elif key == "predictions":  # every prediction, in sample order, on every rank
-                    np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-6, err_msg=context)
-                else:  # History, evaluate
-                    np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-7, err_msg=context)
+    assert_like_serial(serial_dir, out, cases, ranks)
+
+
+@pytest.fixture(scope="module")
+def loss_serial_dir(scratch):
+    out = scratch / "jax-loss-serial"
+    out.mkdir()
+    cases = sorted(set(LOSS_CASES_BY_RANKS[2]) | (set(LOSS_CASES_BY_RANKS[3]) if ALL else set()))
+    assert_ok(run_python(REAL_MODELS_WORKER, "--mode", "serial", "--out", out, "--cases", ",".join(cases), env=JAX))
+    return out
+
+
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=needs_all)])
+def test_masked_weighted_and_summed_losses_train_like_serial_keras_on_jax(ranks, loss_serial_dir, scratch):
+    out = scratch / f"jax-loss-ranks{ranks}"
+    out.mkdir()
+    cases = LOSS_CASES_BY_RANKS[ranks]
+    assert_ok(launch(ranks, REAL_MODELS_WORKER, "--mode", "tnt", "--out", out, "--cases", ",".join(cases),
+                     env=JAX, timeout=900))
+    assert_like_serial(loss_serial_dir, out, cases, ranks)
 
 
 @pytest.mark.parametrize("feature, named", [
@@ -74,8 +112,6 @@ def test_ranks_train_like_serial_keras_on_jax(ranks, serial_dir, scratch):
     ("synchronized_batch_normalization", "Synchronized BatchNormalization"),
     ("tnt_optimizers", "tnt.optimizers"),
     ("collective_in_jit", "tnt.allreduce cannot run inside jitted code"),
-    ("masked_loss", "A masked loss"),
-    ("summed_loss", "reduction='sum'"),
 ])
 def test_features_missing_on_jax_are_refused_on_every_rank(feature, named):
     process = launch(2, WORKERS / "jax_refusals.py", feature, env=JAX, timeout=120)
@@ -97,3 +133,50 @@ def test_lenet5_example_runs_unchanged_on_jax():
     distributed = launch(2, EXAMPLE, *SHORT_RUN, env=JAX, timeout=600)
     assert_ok(distributed)
     assert abs(accuracy_in(serial.stdout) - accuracy_in(distributed.stdout)) <= 0.003
+
+
+def test_a_rank_killed_mid_epoch_resumes_on_jax_with_the_uninterrupted_weights(tmp_path):
+    """Automatic backups read Keras-on-JAX's state mid-epoch, and the restarted fit skips the
+    steps before the backup without training them (tests/test_restarts.py, on TensorFlow)."""
+    uninterrupted, restarted = tmp_path / "uninterrupted", tmp_path / "restarted"
+    uninterrupted.mkdir()
+    restarted.mkdir()
+    assert_ok(tarantella("-n", 2, "--no-gpu", "--", JOB, uninterrupted, cwd=uninterrupted, env=JAX))
+    process = tarantella("-n", 2, "--no-gpu", "--max-restarts", 1, "--backup-every-steps", 2, "--", JOB, restarted,
+                         cwd=restarted, env={**JAX, "FAULT": "attempt=0,rank=1,fit=1,epoch=1,step=3,how=kill"})
+    assert_ok(process)
+    lines = restart_lines(process.stderr)
+    assert len(lines) == 1 and lines[0].group(5).startswith("fit #1 at epoch 2, step 2 "), process.stderr[-3000:]
+    expected, result = load_npz(uninterrupted / "weights.npz"), load_npz(restarted / "weights.npz")
+    assert sorted(result) == sorted(expected)
+    for key in expected:
+        np.testing.assert_array_equal(result[key], expected[key], err_msg=key)
+    assert os.listdir(restarted) == ["weights.npz"], "the backups are removed after a good end"
+
+
+def test_callbacks_saving_loading_and_pydataset_on_jax_as_serial_keras(tmp_path):
+    """ModelCheckpoint writes on the master only, EarlyStopping stops at the serial epoch, the
+    LearningRateScheduler and History log as serially; save/save_weights files load back to the
+    trained weights (tests/workers/callbacks_and_saving.py)."""
+    worker = WORKERS / "callbacks_and_saving.py"
+    serial, distributed = tmp_path / "serial", tmp_path / "tnt"
+    serial.mkdir()
+    distributed.mkdir()
+    assert_ok(run_python(worker, "--mode", "serial", "--out", serial, env=JAX))
+    assert_ok(launch(2, worker, "--mode", "tnt", "--out", distributed, options=["--no-gpu"], env=JAX))
+    expected = load_npz(serial / "rank0" / "results.npz")
+    assert 1 < len(expected["checkpoint_epochs"]) < 30, "EarlyStopping stops the fit early"
+    for rank in range(2):
+        result = load_npz(distributed / f"rank{rank}" / "results.npz")
+        checkpointed = expected if rank == 0 else {"checkpoint_epochs": np.array([], int)}
+        np.testing.assert_array_equal(result["checkpoint_epochs"], checkpointed["checkpoint_epochs"])
+        for key in expected:
+            if key == "checkpoint_epochs" or (rank > 0 and key.startswith("checkpoint_weight_")):
+                continue
+            np.testing.assert_allclose(result[key], expected[key], rtol=1e-5, atol=1e-5,
+                                       err_msg=f"rank {rank}, {key}")
+        for key in [k for k in result if k.startswith("loaded_")]:
+            trained = key.replace("loaded_weights_file_", "weight_").replace("loaded_weight_", "weight_")
+            if trained in result:  # the loaded files hold the trained weights exactly
+                np.testing.assert_array_equal(result[key], result[trained], err_msg=f"rank {rank}, {key}")
+    assert sorted(os.listdir(distributed)) == ["model.keras", "model.weights.h5", "rank0", "rank1"]
