@@ -870,10 +870,19 @@ def _configure_tensorflow(local_rank, local_size):
         if threads:
             tf.config.threading.set_intra_op_parallelism_threads(threads)
             tf.config.threading.set_inter_op_parallelism_threads(threads)
+            _limit_torch_threads(threads)
     except RuntimeError:  # TensorFlow started before tarantella was imported
         logger.warning("TensorFlow was already running when tarantella was imported, so this rank keeps "
                        "TensorFlow's default devices and threads and may compete with %d other rank(s) on "
                        "this node. Import tarantella before using TensorFlow.", local_size - 1)
+
+
+def _limit_torch_threads(threads):
+    """On Keras' PyTorch backend the step's compute is torch's: it gets the rank's share of the
+    node's cores too, instead of every core for every rank."""
+    keras = sys.modules.get("keras")
+    if keras is not None and keras.backend.backend() == "torch":
+        sys.modules["torch"].set_num_threads(threads)
 
 
 def _stop_all_ranks_on_uncaught_error(rank):

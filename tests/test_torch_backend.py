@@ -119,3 +119,15 @@ def test_a_rank_killed_mid_epoch_resumes_to_the_uninterrupted_weights_on_torch(t
     assert "rank 1 on host" in lines[0].group(4) and "Killed (signal 9)" in lines[0].group(4), lines[0].group(0)
     assert lines[0].group(5).startswith("fit #1 at epoch 2, step 2 (backup of "), lines[0].group(0)
     restarts.assert_same_results(load_npz(resumed / "weights.npz"), load_npz(reference / "weights.npz"))
+
+
+def test_each_rank_gets_its_share_of_the_cores_for_torch(tmp_path):
+    """As TensorFlow's threads (cores per node / ranks per node, or TNT_THREADS_PER_RANK): without it
+    every rank would run torch on every core of the node. 3 is no machine's default here."""
+    script = tmp_path / "threads.py"
+    script.write_text("import tarantella as tnt, torch\n"
+                      "print(f'rank {tnt.get_rank()} torch threads {torch.get_num_threads()}', flush=True)\n")
+    process = launch(2, script, env={**TORCH, "TNT_THREADS_PER_RANK": "3"}, timeout=120)
+    assert_ok(process)
+    assert sorted(re.findall(r"rank (\d) torch threads (\d+)", process.stdout)) == [("0", "3"), ("1", "3")], \
+        process.stdout[-2000:]
