@@ -6,10 +6,9 @@ LeNet-5 trains with momentum SGD: with Adam, serial Keras itself moves by 3e-4 b
 1 and 2 threads (Adam scales rounding noise on near-zero gradients up to full steps).
 """
 
-import numpy as np
 import pytest
 
-from conftest import WORKERS, assert_ok, launch, load_npz, run_python
+from conftest import WORKERS, assert_ok, assert_ranks_like_serial, launch, run_python
 from workers.train_cases import CASES
 
 WORKER = WORKERS / "train_cases.py"
@@ -35,17 +34,4 @@ def test_ranks_train_like_serial_keras(ranks, serial_dir, scratch):
     out.mkdir()
     cases = CASES_BY_RANKS[ranks]
     assert_ok(launch(ranks, WORKER, "--mode", "tnt", "--out", out, "--cases", ",".join(cases)))
-    for case in cases:
-        serial = load_npz(serial_dir / f"{case}.rank0.npz")
-        per_rank = [load_npz(out / f"{case}.rank{rank}.npz") for rank in range(ranks)]
-        for rank, result in enumerate(per_rank):
-            assert sorted(result) == sorted(serial), case
-            for key in serial:
-                context = f"case {case}, rank {rank} of {ranks}, {key}"
-                if key.startswith("weight_"):
-                    np.testing.assert_allclose(result[key], serial[key], rtol=0, atol=1e-5, err_msg=context)
-                    np.testing.assert_array_equal(result[key], per_rank[0][key], err_msg=context + " vs rank 0")
-                elif key == "predictions":
-                    np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-6, err_msg=context)
-                else:
-                    np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-7, err_msg=context)
+    assert_ranks_like_serial(serial_dir, out, cases, ranks)

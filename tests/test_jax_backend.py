@@ -12,15 +12,12 @@ installed (pip install -e ".[cpu,mpich,test,jax]").
 """
 
 import importlib.util
-import re
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import REPO, WORKERS, assert_ok, launch, load_npz, quiet_env, run_python
+from conftest import WORKERS, assert_ok, assert_ranks_like_serial, launch, load_npz, refusals_by_rank, run_python
 from test_equivalence import UNEVEN_SPLIT_CASES
 from test_restarts import JOB, restart_lines, tarantella
 from test_example import EXAMPLE, SHORT_RUN, accuracy_in, mnist_installed
@@ -53,23 +50,6 @@ LOSS_CASES_BY_RANKS = {2: ["attention-ignore-class", "summed-loss"] + (
 assert all(case in REAL_MODEL_CASES for cases in LOSS_CASES_BY_RANKS.values() for case in cases)
 
 
-def assert_like_serial(serial_dir, out, cases, ranks):
-    for case in cases:
-        serial = load_npz(serial_dir / f"{case}.rank0.npz")
-        per_rank = [load_npz(out / f"{case}.rank{rank}.npz") for rank in range(ranks)]
-        for rank, result in enumerate(per_rank):
-            assert sorted(result) == sorted(serial), case
-            for key in serial:
-                context = f"JAX, case {case}, rank {rank} of {ranks}, {key}"
-                if key.startswith("weight_"):
-                    np.testing.assert_allclose(result[key], serial[key], rtol=0, atol=1e-5, err_msg=context)
-                    np.testing.assert_array_equal(result[key], per_rank[0][key], err_msg=context + " vs rank 0")
-                elif key == "predictions":  # every prediction, in sample order, on every rank
-                    np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-6, err_msg=context)
-                else:  # History, evaluate
-                    np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-7, err_msg=context)
-
-
 @pytest.fixture(scope="module")
 def serial_dir(scratch):
     out = scratch / "jax-serial"
@@ -85,7 +65,7 @@ def test_ranks_train_like_serial_keras_on_jax(ranks, serial_dir, scratch):
     out.mkdir()
     cases = CASES_BY_RANKS[ranks]
     assert_ok(launch(ranks, WORKER, "--mode", "tnt", "--out", out, "--cases", ",".join(cases), env=JAX))
-    assert_like_serial(serial_dir, out, cases, ranks)
+    assert_ranks_like_serial(serial_dir, out, cases, ranks, "JAX")
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +84,7 @@ def test_masked_weighted_and_summed_losses_train_like_serial_keras_on_jax(ranks,
     cases = LOSS_CASES_BY_RANKS[ranks]
     assert_ok(launch(ranks, REAL_MODELS_WORKER, "--mode", "tnt", "--out", out, "--cases", ",".join(cases),
                      env=JAX, timeout=900))
-    assert_like_serial(loss_serial_dir, out, cases, ranks)
+    assert_ranks_like_serial(loss_serial_dir, out, cases, ranks, "JAX")
 
 
 @pytest.mark.parametrize("feature, named", [
@@ -117,8 +97,7 @@ def test_features_missing_on_jax_are_refused_on_every_rank(feature, named):
     process = launch(2, WORKERS / "jax_refusals.py", feature, env=JAX, timeout=120)
     assert_ok(process)
     # The ranks' lines may arrive interleaved: each refusal is read up to the next one.
-    refusals = {int(rank): text for rank, text in re.findall(r"rank (\d) refused: (.*?)(?=rank \d refused|\n|$)",
-                                                             process.stdout)}
+    refusals = refusals_by_rank(process.stdout)
     assert sorted(refusals) == [0, 1], process.stdout[-2000:]
     for refusal in refusals.values():
         assert named in refusal and "JAX backend" in refusal, refusal

@@ -14,10 +14,9 @@ pip install torch --index-url https://download.pytorch.org/whl/cpu
 import importlib.util
 import re
 
-import numpy as np
 import pytest
 
-from conftest import WORKERS, assert_ok, launch, load_npz, run_python
+from conftest import WORKERS, assert_ok, assert_ranks_like_serial, launch, load_npz, refusals_by_rank, run_python
 from test_example import EXAMPLE, SHORT_RUN, accuracy_in, mnist_installed
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
@@ -53,23 +52,7 @@ def test_ranks_train_like_serial_keras_on_torch(ranks, serial_dir, scratch):
         assert_ok(launch(ranks, WORKERS / worker, "--mode", "tnt", "--out", out, "--cases",
                          ",".join(cases[ranks]), env=TORCH))
         assert not list(out.glob(".tnt-partial*")), "a save left a partial file"
-        for case in cases[ranks]:
-            per_rank = [load_npz(out / f"{case}.rank{rank}.npz") for rank in range(ranks)]
-            serial = load_npz(serial_dir / f"{case}.rank0.npz")
-            for rank, result in enumerate(per_rank):
-                assert sorted(result) == sorted(serial), case
-                for key in serial:
-                    context = f"torch, case {case}, rank {rank} of {ranks}, {key}"
-                    if key.startswith("weight_"):
-                        np.testing.assert_allclose(result[key], serial[key], rtol=0, atol=1e-5, err_msg=context)
-                        np.testing.assert_array_equal(result[key], per_rank[0][key],
-                                                      err_msg=context + " vs rank 0")
-                    elif key == "predictions":  # every prediction, in sample order, on every rank
-                        np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-6,
-                                                   err_msg=context)
-                    else:  # History, evaluate
-                        np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-7,
-                                                   err_msg=context)
+        assert_ranks_like_serial(serial_dir, out, cases[ranks], ranks, "torch")
 
 
 @pytest.mark.parametrize("feature, named", [
@@ -83,8 +66,7 @@ def test_features_missing_on_torch_are_refused_on_every_rank(feature, named):
     process = launch(2, WORKERS / "torch_cases.py", "--refuse", feature, env=TORCH, timeout=120)
     assert process.returncode != 0
     # The ranks' lines may arrive interleaved: each refusal is read up to the next one.
-    refusals = {int(rank): text for rank, text in re.findall(r"rank (\d) refused: (.*?)(?=rank \d refused|\n|$)",
-                                                             process.stdout)}
+    refusals = refusals_by_rank(process.stdout)
     assert sorted(refusals) == [0, 1], process.stdout[-2000:]
     for refusal in refusals.values():
         assert named in refusal and "PyTorch backend" in refusal, refusal
