@@ -289,8 +289,16 @@ def remove_gradient_allreduce(backend):
     else:
         from tarantella import gradients
 
-        def keep_own_gradients(self, rank_gradients, *_, **__):  # what else the step passes varies by revision
-            return list(rank_gradients)
+        def keep_own_gradients(self, rank_gradients, *_, opening=None, **__):  # the rest varies by revision
+            if opening is None:
+                return list(rank_gradients)
+            # The round would have opened the step: the sizes are summed in a collective of their own.
+            communicator = self._comm
+            open_step = lambda samples: np.float64(communicator.open_step(
+                "the allreduce of micro-batch sizes", "a step without gradient allreduce", int(samples)))
+            global_samples = tf.numpy_function(open_step, [tf.cast(opening[0], tf.int64)], tf.float64, stateful=True)
+            global_samples.set_shape([])
+            return list(rank_gradients), global_samples
         gradients.GradientAllreduce.__call__ = keep_own_gradients
 
 

@@ -2,8 +2,9 @@
 
 A step module makes the wrapped model's Keras steps global: its object, built by
 `for_model`, has `train`, `test` and `predict` (called as the backend's trainer calls
-`train_step`, `test_step` and `predict_step`), `optimizers()`, `local_metric_state`, and
-`wrap_predict_function`, which may gather predictions outside the compiled step. Everything
+`train_step`, `test_step` and `predict_step`), `optimizers()`, `local_metric_state`,
+`wrap_predict_function`, which may gather predictions outside the compiled step, and
+`expect_global_batch_size(size)`, told before fit the global batch size of its data (or None). Everything
 around the steps (data splitting, the communicator, callbacks, saving, the launcher) is shared.
 """
 

@@ -11,7 +11,9 @@ TensorFlow runs its ops in.
 Before each collective the ranks agree on it (a 24-byte allreduce of a code of the
 operation), so ranks that enter different collectives get an error naming both, never a
 mismatched buffer in MPI. A training or test step agrees once, on its whole sequence of
-collectives, in the message that also sums the ranks' micro-batch sizes.
+collectives, in the message that also sums the ranks' micro-batch sizes: the step's opening,
+or, where nothing before backprop needs the global batch size, the first message of its
+gradient round.
 
 The caller waits in short slices and meanwhile watches the other ranks through a second
 communicator, served by a monitor thread on every rank: it learns at once that a rank it
@@ -88,6 +90,27 @@ class _BucketRound:
         self.error = None
         self.changed = threading.Condition()
         self._buffers = {}  # address of a dense bucket's memory -> its index
+        # Set where the round opens its step (see Communicator.submit_bucket).
+        self.global_samples = None
+        self._rescale = None
+
+    def open(self, global_samples, divisor):
+        """The step's global batch size is known: a rank that divided its loss by another
+        `divisor` rescales its buckets before they are summed."""
+        self.global_samples = global_samples
+        if divisor != global_samples:
+            self._rescale = divisor / global_samples
+
+    def _rescaled(self, bucket):
+        """Runs where the rank guessed the global batch size wrong (the first step, a last
+        incomplete batch): its contribution becomes the one weighted by the true share."""
+        if self._rescale is None:
+            return bucket
+        if isinstance(bucket, tuple):  # TensorFlow may share a sparse gradient's values: a new array
+            indices, values = bucket
+            return indices, values * values.dtype.type(self._rescale)
+        bucket *= bucket.dtype.type(self._rescale)  # a dense bucket's buffer is the round's own
+        return bucket
 
     def deposit(self, index, array):
         if isinstance(array, np.ndarray) and array.nbytes:
@@ -109,7 +132,7 @@ class _BucketRound:
             for index in range(len(self.arrays)):
                 with self.changed:
                     self.changed.wait_for(lambda: self.arrays[index] is not None)
-                result = reduce(self.arrays[index])
+                result = reduce(self._rescaled(self.arrays[index]))
                 with self.changed:
                     self.arrays[index] = result
                     self.reduced += 1
@@ -151,6 +174,7 @@ class Communicator:
         self.entered = 0
         self.agreements = 0  # of the collectives entered, those that opened with an agreement
         self.compared_alike = None  # what the last collective's opening found (see run)
+        self.global_samples = None  # the global batch size the last collected round carried
         self.current = None
         self.last = None
         self._broken = None  # the error after which this communicator cannot be used
@@ -371,25 +395,42 @@ class Communicator:
 
     # -- gradient buckets (called from TensorFlow ops) ---------------------------
 
-    def submit_bucket(self, index, count, array, agreed=False):
+    def submit_bucket(self, index, count, array, agreed=False, opening=None):
         """Hands over bucket `index` of `count`; returns at once.
 
         An array is summed over ranks in place; a tuple (indices, values) of a sparse
         gradient is replaced by the concatenation of every rank's, in rank order. With
-        `agreed`, the opening of the step agreed on this round."""
+        `agreed`, the opening of the step agreed on this round.
+
+        With `opening` (sequence, samples, divisor), the round opens its step: its first
+        message agrees on the step's `sequence` of collectives (a string) and sums the
+        ranks' `samples`, the global batch size B (`collect_buckets` then sets
+        `global_samples`). The rank differentiated its loss divided by `divisor`, its guess
+        of B; where that was wrong, its buckets are rescaled before they are summed."""
         self._refuse_if_broken("the gradient allreduce")
         with self._round_lock:
             if self._round is None:
                 self._round = _BucketRound(count)
                 step_round = self._round
                 what = f"the gradient allreduce of step {self._steps_reduced + 1}"
-                agree_on = None if agreed else f"the gradient allreduce of {count} buckets"
-                begin = lambda: self.enter(what, agree_on)
+                if opening is not None:
+                    sequence, samples, divisor = opening
+                    begin = lambda: step_round.open(self._open_round(what, sequence, samples), divisor)
+                else:
+                    agree_on = None if agreed else f"the gradient allreduce of {count} buckets"
+                    begin = lambda: self.enter(what, agree_on)
                 self._jobs.put(lambda: self._reduce_round(step_round, begin))
             step_round = self._round
         if timeline.recorder is not None:
             timeline.recorder.handed_over(index)
         step_round.deposit(index, array)
+
+    def _open_round(self, what, sequence, samples):
+        """The agreement and sum of micro-batch sizes a gradient round opens its step with."""
+        if timeline.recorder is None:
+            return self.enter(what, sequence, carried=samples)
+        return timeline.recorder.run_collective(f"the allreduce of micro-batch sizes that opens {what}",
+                                                lambda: self.enter(what, sequence, carried=samples))
 
     def _reduce_round(self, step_round, begin):
         recorder = timeline.recorder
@@ -456,7 +497,8 @@ class Communicator:
                                recvbuf=chunks[(self.rank - step) % self.size], source=left)
 
     def collect_buckets(self):
-        """Waits until every bucket of this step is reduced; returns them in plan order."""
+        """Waits until every bucket of this step is reduced; returns them in plan order (and
+        sets `global_samples` where the round opened its step)."""
         with self._round_lock:
             step_round, self._round = self._round, None
         called = timeline.recorder and timeline.recorder.now()
@@ -467,6 +509,7 @@ class Communicator:
         if timeline.recorder is not None:
             timeline.recorder.caller_waited("the gradient allreduce", called)
         self._steps_reduced += 1
+        self.global_samples = step_round.global_samples
         return step_round.arrays
 
 

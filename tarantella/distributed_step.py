@@ -4,12 +4,15 @@
 (Keras' built-in ones, or the user's overrides) inside a `DistributedStep`. While the
 step is traced, it makes four things global:
 
-1. the global batch size B: one allreduce of the rank's sample count m opens the step;
+1. the global batch size B: the first collective of the step sums the ranks' sample counts m;
 2. gradients: every optimizer the model holds sums, before it updates, the gradients of
    all ranks, each weighted by its rank's share m/B of the global batch. For a loss that
    is a mean over the micro-batch this is the gradient of the serial step. Keras' own
    train_step differentiates `optimizer.scale_loss(loss)`: there the share weights that
-   scalar, which spares a pass over every gradient;
+   scalar, which spares a pass over every gradient. Where nothing before backprop needs
+   B, the step does not open with a collective of its own: the rank divides by the global
+   batch size of its dataset, and the gradient round's first message sums the counts; a rank
+   whose guess was wrong (a last incomplete batch) rescales its buckets;
 3. compiled losses that are not a mean over samples (masked entries, `reduction="sum"`)
    are rescaled so that the same share weighting still gives the serial loss: a masked
    mean (the output's mask, `ignore_class`, or both) is divided by the global count of
@@ -22,8 +25,9 @@ step is traced, it makes four things global:
    number the step returns becomes its share-weighted sum over ranks.
 
 Every collective of a step is a stateful op, so TensorFlow runs them in program order,
-the same on every rank. The allreduce of sizes that opens the step also carries the ranks'
-agreement on the step's whole sequence of collectives, which then need none of their own.
+the same on every rank. The step's first collective (the allreduce of sizes that opens it,
+or the gradient round) also carries the ranks' agreement on the step's whole sequence of
+collectives, which then need none of their own.
 A rank without samples (a global batch smaller than the number of ranks) runs the step on
 one zero row, because TensorFlow cannot run every layer on zero rows, and contributes
 nothing.
@@ -40,6 +44,8 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import nn as keras_tensorflow_nn
 from keras.src.losses import loss as keras_loss
 
+from tarantella import timeline
+
 _keras_reduce_weighted_values = keras_loss.reduce_weighted_values
 
 _MEAN_REDUCTIONS = ("mean", "sum_over_batch_size")
@@ -55,8 +61,13 @@ class DistributedStep:
         # (metric variable, rank-local copy) pairs, kept only while a callback asks for the
         # rank's own values (tnt.keras.callbacks.Callback(aggregate_logs=False)).
         self.local_metric_state = None
-        # While a step is traced: descriptions of its collectives, which its opening agrees on.
+        # While a step is traced: descriptions of its collectives, which its opening agrees on,
+        # and the step's _StepState.
         self._sequence = None
+        self._step = None
+        # The global batch size of the data fit runs on, where known (see expect_global_batch_size).
+        self._expected_global_samples = tf.Variable(0.0, dtype=tf.float64, trainable=False,
+                                                    name="tnt_expected_global_samples")
 
     def train(self, data):
         keras_own_step = type(self._model).train_step is keras.Model.train_step
@@ -100,25 +111,18 @@ class DistributedStep:
         has_samples = samples > 0
         sequence = self._sequence = [f"a {kind} step"]
         try:
-            return self._traced_step(sequence, step_function, data, samples, has_samples, loss_optimizer)
+            step = self._step = _StepState(samples, has_samples, self, loss_optimizer, sequence)
+            return self._traced_step(step, step_function, data)
         finally:
-            self._sequence = None
+            self._sequence = self._step = None
 
-    def _traced_step(self, sequence, step_function, data, samples, has_samples, loss_optimizer):
-        # The list is complete once the step is traced, before the opening first runs.
-        opening = functools.partial(self._open_step, f"the allreduce of micro-batch sizes of {sequence[0]}",
-                                    sequence)
-        global_samples = tf.cast(tf.numpy_function(opening, [tf.cast(samples, tf.int64)], tf.int64, stateful=True,
-                                                   name="tnt_open_step"), tf.float64)
-        global_samples.set_shape([])
-        samples = tf.cast(samples, tf.float64)
-        step = _StepState(samples, global_samples, has_samples, self, loss_optimizer)
-
+    def _traced_step(self, step, step_function, data):
         metrics = _unique(self._model.metrics)
         variables = _unique([v for metric in metrics for v in metric.variables])
+        has_samples = step.has_samples
         # Only once a batch has arrived: TensorFlow may run these before the inlined step's input,
         # and the call that finds a dataset of unknown length exhausted would zero the epoch's metrics.
-        with tf.control_dependencies([global_samples]):
+        with tf.control_dependencies([step.samples]):
             saved = [tf.identity(v.value) for v in variables]
             for variable in variables:
                 variable.assign(tf.zeros(variable.shape, variable.dtype))
@@ -160,13 +164,36 @@ class DistributedStep:
             if shadow is not None:
                 shadow.assign_add(tf.where(has_samples, increment, tf.zeros_like(increment)))
 
+    def open_step(self, sequence, samples):
+        """The step's opening: the global batch size (float64), summed by a collective of its own
+        that also agrees on the step's `sequence` of collectives (complete before it first runs)."""
+        opening = functools.partial(self._open_step, f"the allreduce of micro-batch sizes of {sequence[0]}",
+                                    sequence)
+        global_samples = tf.cast(tf.numpy_function(opening, [tf.cast(samples, tf.int64)], tf.int64, stateful=True,
+                                                   name="tnt_open_step"), tf.float64)
+        global_samples.set_shape([])
+        return global_samples
+
     def _open_step(self, what, sequence, samples):
         return np.int64(self._comm.open_step(what, "; ".join(sequence), int(samples)))
+
+    def expect_global_batch_size(self, size):
+        """The global batch size of the dataset the next steps train on (None: not known)."""
+        self._expected_global_samples.assign(float(size or 0))
+
+    def guessed_global_samples(self, samples):
+        """What a step without an opening divides its loss by: the expected global batch size, or,
+        where none is known, this rank's sample count times the number of ranks. Both depend on
+        the step's batch alone, never on the steps before, so a resumed job repeats the same
+        arithmetic bit for bit."""
+        expected = self._expected_global_samples.read_value()
+        return tf.where(expected > 0, expected, tf.cast(samples, tf.float64) * self._comm.size)
 
     def _allreduce(self, vector, what):
         """The sum of a float64 vector over ranks; inside a traced step, part of its sequence."""
         agreed = self._sequence is not None
         if agreed:
+            self._step.global_samples  # the step's first collective is its opening, which agrees
             self._sequence.append(f"{what} of float64{vector.shape}")
         summed = tf.numpy_function(functools.partial(self._comm.allreduce_sum, what=what, agreed=agreed),
                                    [vector], tf.float64, stateful=True, name="tnt_allreduce")
@@ -176,25 +203,61 @@ class DistributedStep:
     def _gather_predictions(self, *arrays):
         return self._comm.allgather_interleaved_rows(list(arrays), "the gathering of predictions")
 
-    def reduce_gradients(self, grads, variables, contributes=None):
+    def reduce_gradients(self, grads, variables, contributes=None, loss_divisor=None):
         """The sum over ranks of each rank's share-weighted gradients (None stays None); a rank
-        whose `contributes` is False adds zeros."""
-        return self._gradient_allreduce(grads, variables, contributes=contributes, step_sequence=self._sequence)
+        whose `contributes` is False adds zeros.
+
+        With `loss_divisor` (the guess of the global batch size the rank's loss was divided
+        by; the step has no opening), the round opens the step and sets its global batch size."""
+        if loss_divisor is None:
+            return self._gradient_allreduce(grads, variables, contributes=contributes, step_sequence=self._sequence)
+        step = self._step
+        with tf.control_dependencies([step.samples]):  # the batch's arrival, for the timeline
+            arrived = tf.timestamp() if timeline.recorder is not None else tf.constant(0.0, tf.float64)
+        reduced, global_samples = self._gradient_allreduce(
+            grads, variables, contributes=contributes, step_sequence=self._sequence,
+            opening=(step.samples, loss_divisor, arrived))
+        step.global_samples = global_samples
+        return reduced
 
 
 class _StepState:
     """What one traced step knows about the global batch, and the hooks it installs."""
 
-    def __init__(self, samples, global_samples, has_samples, runner, loss_optimizer=None):
+    def __init__(self, samples, has_samples, runner, loss_optimizer, sequence):
+        self.samples = samples  # the rank's sample count m (an integer scalar)
         self.has_samples = has_samples
         self._loss_optimizer = loss_optimizer
+        self._sequence = sequence
         # Set when the step scaled its loss by the share (traced before backprop and apply).
         self.loss_weighted = False
-        self.share = tf.math.divide_no_nan(samples, global_samples)
-        self.inverse_share = tf.math.divide_no_nan(global_samples, samples)
+        # The global batch size B (float64), once a collective of the step has summed it.
+        self._global_samples = None
+        # Where the loss was divided by a guess of B, because nothing before backprop needed it.
+        self._loss_divisor = None
         self._runner = runner
         self._per_batch = set()  # ids of metric variables fed one scalar per step
         self.results = {}  # id(result tensor) -> (metric, key or None)
+
+    @property
+    def global_samples(self):
+        """B; asked for before any collective of the step gave it, it opens the step."""
+        if self._global_samples is None:
+            self._global_samples = self._runner.open_step(self._sequence, self.samples)
+        return self._global_samples
+
+    @global_samples.setter
+    def global_samples(self, value):
+        self._global_samples = value
+
+    @property
+    def share(self):
+        """The rank's share m/B of the global batch."""
+        return tf.math.divide_no_nan(tf.cast(self.samples, tf.float64), self.global_samples)
+
+    @property
+    def inverse_share(self):
+        return tf.math.divide_no_nan(self.global_samples, tf.cast(self.samples, tf.float64))
 
     def fed_per_batch(self, variable):
         return id(variable) in self._per_batch
@@ -265,7 +328,11 @@ class _StepState:
 
         def scale_loss(loss):
             self.loss_weighted = True
-            return original(loss) * tf.cast(self.share, loss.dtype)
+            if self._global_samples is not None:  # the loss's terms needed B: the step has opened
+                return original(loss) * tf.cast(self.share, loss.dtype)
+            self._loss_divisor = self._runner.guessed_global_samples(self.samples)
+            weight = tf.math.divide_no_nan(tf.cast(self.samples, tf.float64), self._loss_divisor)
+            return original(loss) * tf.cast(weight, loss.dtype)
 
         return scale_loss
 
@@ -279,7 +346,11 @@ class _StepState:
             if self.loss_weighted and optimizer is self._loss_optimizer:
                 # Weighted already; a rank without samples sends zeros (its zero row's gradients
                 # may hold NaN), set where the bucket is handed over: no pass over the gradients.
-                reduced = self._runner.reduce_gradients(grads, variables, contributes=self.has_samples)
+                divisor, self._loss_divisor = self._loss_divisor, None
+                if all(g is None for g in grads):
+                    divisor = None  # no round to open the step: a later collective opens it
+                reduced = self._runner.reduce_gradients(grads, variables, contributes=self.has_samples,
+                                                        loss_divisor=divisor)
             else:
                 reduced = self._runner.reduce_gradients(_weighted(grads, self.share), variables)
             return original(reduced, trainable_variables)

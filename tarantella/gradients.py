@@ -17,6 +17,8 @@ import functools
 import numpy as np
 import tensorflow as tf
 
+from tarantella import timeline
+
 # MPI has no portable 16-bit float; such gradients travel as float32.
 _WIRE_DTYPES = {tf.float32, tf.float64}
 
@@ -54,11 +56,17 @@ class GradientAllreduce:
         self._comm = communicator
         self._threshold_bytes = threshold_bytes
 
-    def __call__(self, gradients, variables=None, contributes=None, step_sequence=None):
+    def __call__(self, gradients, variables=None, contributes=None, step_sequence=None, opening=None):
         """Sums `gradients` over ranks; None entries stay None.
 
         `step_sequence` (a list, optional): the collectives of the step being traced, whose opening
         agrees on all of them; this round adds itself there and needs no agreement of its own.
+
+        `opening` (optional, with `step_sequence`): (samples, divisor, arrived), the rank's sample
+        count (an integer scalar tensor), the float64 guess of the global batch size B that its
+        loss was divided by, and for the timeline the tf.timestamp() of the batch's arrival (or 0).
+        The round then opens the step (Communicator.submit_bucket) and returns (gradients, B as a
+        float64 scalar tensor).
 
         `contributes` (a boolean scalar tensor, optional): where False, this rank adds zeros
         instead of its gradients (a rank without samples, whose gradients may hold NaN). They
@@ -84,10 +92,16 @@ class GradientAllreduce:
         items = [[dense_order[k] for k in bucket] for bucket in plan] + [[i] for i in backprop_order
                                                                          if i in sparse]
         if not items:
+            if opening is not None:
+                raise ValueError("A gradient round without gradients cannot open its step.")
             return list(gradients)
 
         contributes = tf.constant(True) if contributes is None else contributes
         agreed = step_sequence is not None
+        samples, divisor, arrived = [tf.constant(0, tf.int64), tf.constant(0.0, tf.float64),
+                                     tf.constant(0.0, tf.float64)] if opening is None else [
+            tf.cast(opening[0], tf.int64), tf.cast(opening[1], tf.float64), tf.cast(opening[2], tf.float64)]
+        opens = step_sequence if opening is not None else None
         if agreed:
             step_sequence.append("a gradient allreduce of buckets " + ", ".join(
                 "sparse" if members[0] in sparse else
@@ -95,14 +109,16 @@ class GradientAllreduce:
                 for members in items))
         handed_over, result_dtypes = [], []
         for index, members in enumerate(items):
-            submit = functools.partial(self._submit, index, len(items), agreed)
+            submit = functools.partial(self._submit, index, len(items), agreed, opens)
             with tf.control_dependencies(handed_over[-1:]):
                 inputs = self._bucket_inputs(members, gradients, dense, sparse)
             result_dtypes += [tensor.dtype for tensor in inputs]
-            handed_over.append(tf.numpy_function(submit, [contributes] + inputs, tf.int64, stateful=True,
-                                                 name=f"tnt_submit_bucket_{index}"))
-        reduced = iter(tf.numpy_function(self._collect, handed_over, result_dtypes, stateful=True,
-                                         name="tnt_collect_buckets"))
+            handed_over.append(tf.numpy_function(submit, [contributes, samples, divisor, arrived] + inputs, tf.int64,
+                                                 stateful=True, name=f"tnt_submit_bucket_{index}"))
+        collected = tf.numpy_function(functools.partial(self._collect, opening is not None), handed_over,
+                                      result_dtypes + [tf.float64] * (opening is not None), stateful=True,
+                                      name="tnt_collect_buckets")
+        reduced = iter(collected)
 
         result = list(gradients)
         for members in items:
@@ -121,7 +137,11 @@ class GradientAllreduce:
             pieces = tf.split(flat, sizes) if len(members) > 1 else [flat]
             for i, piece in zip(members, pieces):
                 result[i] = tf.cast(tf.reshape(piece, variables[i].shape), gradients[i].dtype)
-        return result
+        if opening is None:
+            return result
+        global_samples = next(reduced)
+        global_samples.set_shape([])
+        return result, global_samples
 
     def _bucket_inputs(self, members, gradients, dense, sparse):
         """The tensors one bucket hands over: a sparse gradient's indices and values, or one flat
@@ -143,7 +163,7 @@ class GradientAllreduce:
     def _to_wire(gradient):
         return gradient if gradient.dtype in _WIRE_DTYPES else tf.cast(gradient, tf.float32)
 
-    def _submit(self, index, count, agreed, contributes, *arrays):
+    def _submit(self, index, count, agreed, opens, contributes, samples, divisor, arrived, *arrays):
         if not contributes:
             if len(arrays) == 1:  # a dense bucket: its own buffer (see _bucket_inputs), summed in place
                 arrays[0].fill(0)
@@ -151,13 +171,18 @@ class GradientAllreduce:
                 # array, as TensorFlow may share the values' buffer
                 arrays = (arrays[0], np.zeros_like(arrays[1]))
         payload = arrays[0] if len(arrays) == 1 else tuple(arrays)
-        self._comm.submit_bucket(index, count, payload, agreed)
+        opening = None if opens is None else ("; ".join(opens), int(samples), float(divisor))
+        if arrived and timeline.recorder is not None:
+            timeline.recorder.input_arrived(float(arrived))
+        self._comm.submit_bucket(index, count, payload, agreed, opening)
         return np.int64(index)
 
-    def _collect(self, *handed_over):
+    def _collect(self, opened, *handed_over):
         flat = []
         for item in self._comm.collect_buckets():
             flat.extend(item if isinstance(item, tuple) else [item])
+        if opened:
+            flat.append(np.float64(self._comm.global_samples))
         return flat
 
 

@@ -53,6 +53,9 @@ class JaxStep:
         # Callbacks asking for rank-local logs (aggregate_logs=False) are refused on JAX.
         self.local_metric_state = None
 
+    def expect_global_batch_size(self, size):
+        """Not needed here: every step opens with the sum of the ranks' sample counts."""
+
     def optimizers(self):
         """The optimizer Keras' built-in step applies (the only step JAX runs distributed)."""
         optimizer = getattr(self._model, "optimizer", None)

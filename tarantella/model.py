@@ -235,6 +235,7 @@ class Model(keras.Model):
         if self._distributed:
             self._prepare(x.element_spec, "train")
             self._warn_small_batch_normalization_batches(x, tnt_distribute_dataset)
+            self._step.expect_global_batch_size(self._global_batch_size(x, tnt_distribute_dataset))
         automatic_backups = backups.for_fit(self, callbacks)
         # After the user's callbacks: an epoch's backup holds what they changed at its end.
         callbacks = self._callbacks_for_this_rank(callbacks) + [c for c in (automatic_backups, epoch_order) if c]
@@ -461,13 +462,17 @@ class Model(keras.Model):
         on_master = self._comm.rank == communication.MASTER_RANK
         return verbose if on_master or config.output_on_all_devices() else 0
 
+    def _global_batch_size(self, dataset, distributed_by_us):
+        """The global batch size of the rank's dataset, or None where it is not static. The rank's
+        dataset still shows the global batch when tarantella split it; a shard the user made
+        holds the micro-batch itself."""
+        batch = data.global_batch_size(dataset)
+        return batch if distributed_by_us or batch is None else batch * self._comm.size
+
     def _warn_small_batch_normalization_batches(self, dataset, distributed_by_us):
         if self._warned_batch_normalization:
             return
-        # The rank's dataset still shows the global batch when tarantella split it; a shard the
-        # user made holds the micro-batch itself.
-        batch = data.global_batch_size(dataset)
-        global_batch = batch if distributed_by_us or batch is None else batch * self._comm.size
+        global_batch = self._global_batch_size(dataset, distributed_by_us)
         # A frozen layer (trainable=False) runs in inference mode in Keras 3: no batch statistics.
         has_batch_normalization = any(isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
                                       and not layer.synchronized for layer in self._flatten_layers())

@@ -100,6 +100,9 @@ class Recorder:
     ("collective", sequence, what, start, end)      a synchronous collective, on the worker
     ("bucket", sequence, index, bytes, start, end)  one gradient bucket's reduction, on the worker
     ("handover", index, time)                       TensorFlow handing a bucket to the worker
+    ("input", time)                                 a training step's batch arrived (steps that
+                                                    open in their gradient round; others open
+                                                    with a collective of their own right then)
     ("span", name, start, end)                      a save (main thread)
     Times are this rank's time.perf_counter_ns()."""
 
@@ -112,6 +115,9 @@ class Recorder:
         self._sequence = 0  # collectives the worker issued since recording began: the same count on every rank
         self._main_thread = threading.main_thread().ident
         self._trace = []  # the master's: every Chrome event written so far
+        # perf_counter_ns minus time_ns: puts TensorFlow's tf.timestamp() on this rank's clock.
+        self._wall_to_counter = self.now() - time.time_ns()
+        self._last_arrival = None
 
     # -- hooks (off: never called) ----------------------------------------------------------
 
@@ -144,6 +150,13 @@ class Recorder:
 
     def handed_over(self, index):
         self.events.append(("handover", index, self.now()))
+
+    def input_arrived(self, timestamp_s):
+        """A batch's arrival, read in the step with tf.timestamp(); every bucket of the step
+        hands the same one over, recorded once."""
+        if timestamp_s != self._last_arrival:
+            self._last_arrival = timestamp_s
+            self.events.append(("input", int(timestamp_s * 1e9) + self._wall_to_counter))
 
     def timed_steps(self, function, kind):
         """Keras' train or test function, each call recorded as a step."""
@@ -259,15 +272,15 @@ def chrome_events(by_rank, offsets, origin):
             out.append({"name": name, "cat": category, "ph": "X", "pid": rank, "tid": row, "ts": us(start),
                         "dur": max(0.0, (end - start) / 1e3), "args": args})
 
-        openings = sorted(e[3] for e in events if e[0] == "blocked" and kind_of(e[2])[1] == "opening")
+        arrivals = _input_arrivals(events)
         steps = sorted((e for e in events if e[0] == "step"), key=lambda e: e[2])
         counts = {}
         for number, (_, kind, start, end, first) in enumerate(steps):
             counts[kind] = counts.get(kind, 0) + 1
             add(f"{kind} {counts[kind]}" + " (traces the step)" * first, "step", MAIN_ROW, start, end)
-            first = bisect.bisect_left(openings, start)
-            if first < len(openings) and openings[first] <= end:
-                add("waiting for input", "input", MAIN_ROW, start, openings[first])
+            arrived = _first_within(arrivals, start, end)
+            if arrived is not None:
+                add("waiting for input", "input", MAIN_ROW, start, arrived)
             if number + 1 < len(steps):
                 add("callbacks and Keras' loop", "callbacks", MAIN_ROW, end, steps[number + 1][2])
         for event in events:
@@ -299,6 +312,18 @@ def chrome_events(by_rank, offsets, origin):
 
 # -- the step report --------------------------------------------------------------------------
 
+def _input_arrivals(events):
+    """Sorted times at which steps had their batch: recorded arrivals, and the start of each
+    step opening's collective (it waits for the batch, and nothing else does before it)."""
+    return sorted([e[1] for e in events if e[0] == "input"] +
+                  [e[3] for e in events if e[0] == "blocked" and kind_of(e[2])[1] == "opening"])
+
+
+def _first_within(times, low, high):
+    first = bisect.bisect_left(times, low)
+    return times[first] if first < len(times) and times[first] <= high else None
+
+
 def _overlap(intervals, starts, low, high):
     """Total length of the sorted, disjoint `intervals` (with their `starts`) inside [low, high]."""
     total = 0
@@ -324,17 +349,18 @@ def step_breakdown(by_rank, offsets):
         blocked_starts = [start for start, _, _ in blocked]
         buckets = sorted((e[4], e[3]) for e in events if e[0] == "bucket")
         bucket_starts = [start for start, _ in buckets]
+        arrivals = _input_arrivals(events)
         steps = []
         # A training function's first call traces the step: not a step like the others.
         for event in sorted(e for e in events if e[0] == "step" and e[1] == "training step" and not e[4]):
             _, _, start, end, _ = event
-            row = {"step": end - start, "input": 0, "waiting": 0, "unhidden": 0, "by_category": {}}
+            arrived = _first_within(arrivals, start, end)
+            row = {"step": end - start, "input": 0 if arrived is None else arrived - start, "waiting": 0,
+                   "unhidden": 0, "by_category": {}}
             for position in range(bisect.bisect_left(blocked_starts, start), len(blocked)):
                 block_start, block_end, category = blocked[position]
                 if block_start > end:
                     break
-                if category == "opening" and row["input"] == 0:
-                    row["input"] = block_start - start
                 length = min(block_end, end) - block_start
                 waited = _overlap(waits, wait_starts, block_start, min(block_end, end))
                 row["waiting"] += waited

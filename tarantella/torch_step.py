@@ -54,6 +54,9 @@ class TorchStep:
         self._plan = None
         self._round = None  # the gradient round of the step that runs backprop now
 
+    def expect_global_batch_size(self, size):
+        """Not needed here: every step opens with the sum of the ranks' sample counts."""
+
     def optimizers(self):
         """The optimizer Keras' built-in step applies (the only step torch runs distributed)."""
         optimizer = getattr(self._model, "optimizer", None)

@@ -1,6 +1,9 @@
 """Edge cases across ranks: empty micro-batches, uncompiled predict, XLA requests."""
 
 import ast
+import re
+
+import pytest
 
 from conftest import WORKERS, assert_ok, launch
 
@@ -59,3 +62,19 @@ def test_numpy_inputs_warn_and_fail_as_keras_does():
         assert f"rank {rank}: empty fit history {{}}" in process.stdout, process.stdout
         assert f"rank {rank}: mismatch tnt.Model.fit: data cardinality is ambiguous" in process.stdout
         assert "'x' sizes: 10 'y' sizes: 9" in process.stdout
+
+
+@pytest.mark.parametrize("loss, training_openings", [("mean", 0), ("sum", 10)])
+def test_a_training_step_opens_in_its_gradient_round_unless_its_loss_needs_the_global_batch(loss, training_openings):
+    """2 epochs of 5 steps, the last of 6 samples (3 ranks: 2 per rank, where every rank's guess
+    of the global batch was 16), and 2 validation steps per epoch. A mean loss needs the global
+    batch size only after backprop, so a training step's gradient round opens it; a sum loss
+    needs it before, so the step opens with a collective of its own."""
+    process = launch(3, SCENARIOS, "step-openings", loss, timeout=300)
+    assert_ok(process)
+    for rank in range(3):
+        match = re.search(rf"rank {rank}: openings (\d+) rounds (\d+) weights differ by (\S+)", process.stdout)
+        assert match, process.stdout
+        assert int(match[1]) == training_openings + 2 * 2, match[0]
+        assert int(match[2]) == 10, match[0]
+        assert float(match[3]) < 1e-6, match[0]

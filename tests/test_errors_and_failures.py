@@ -43,13 +43,13 @@ def test_each_bad_input_gets_the_same_clear_error_on_every_rank():
     # Status 0 in the middle of training is a rank lost, not a success.
     ("exit-0-on-rank-1", 1, r"rank 0 on host {host} raised RankLeftError: rank 1 on host {host} left early: it "
                             r"finished the program after collective #\d+ \(the allreduce of losses and metrics\) "
-                            r"while rank 0 waited for it in the allreduce of micro-batch sizes of a "
-                            r"training step \(in fit\) \(#\d+\)"),
+                            r"while rank 0 waited for it in the gradient allreduce of step \d+ \(in fit\) "
+                            r"\(#\d+\)"),
     ("os-exit-0-on-rank-1", 1, r"rank 1 on host {host} left early: it ended with status 0 without finishing the "
                                r"program \(e.g. os._exit\), and the MPI launcher stopped the other ranks. .*"),
     # A stopped rank: the one that waited names it, once, after a stall warning, within the timeout.
     ("stop-rank-1", 1, r"rank 0 on host {host} raised CollectiveTimeoutError: rank\(s\) 1 did not arrive at the "
-                       r"allreduce of micro-batch sizes of a training step \(in fit\) within 4 s \(rank 1 did not "
+                       r"gradient allreduce of step \d+ \(in fit\) within 4 s \(rank 1 did not "
                        r"answer \(stopped, or stuck outside Python\); it took part in collective #\d+ \(the "
                        r"allreduce of losses and metrics\)\)"),
 ])
@@ -66,8 +66,8 @@ def test_a_failing_rank_stops_the_whole_job_within_10_s_naming_rank_and_host(sce
     assert "UnknownError" not in process.stderr, process.stderr  # TensorFlow's wrapper is not shown
     if scenario == "stop-rank-1":
         assert process.stderr.count("did not complete within 4 s") == 1, process.stderr
-        assert re.search(r"tarantella: WARNING: rank 0 has waited 1 s in the allreduce of micro-batch sizes of a "
-                         r"training step \(in fit\) \(collective #\d+\) for 1 rank\(s\): rank 1 did not answer",
+        assert re.search(r"tarantella: WARNING: rank 0 has waited 1 s in the gradient allreduce of step \d+ "
+                         r"\(in fit\) \(collective #\d+\) for 1 rank\(s\): rank 1 did not answer",
                          process.stderr)
 
 
@@ -157,9 +157,10 @@ def test_a_rank_left_waiting_in_evaluate_learns_at_once_that_the_other_finished(
 def test_ranks_in_different_collectives_get_an_error_naming_both_operations():
     process = launch(2, SCENARIOS, "evaluate-while-fit", timeout=120)
     assert process.returncode == 1
-    # Each step opens with an agreement on its kind and its collectives: the first one tells.
+    # Each step opens with an agreement on its kind and its collectives: the first one tells (a
+    # training step's gradient round, where its loss needs the global batch size only after backprop).
     both = ("the ranks entered different collectives: rank 0: the allreduce of micro-batch sizes of a test "
-            "step (in evaluate); rank 1: the allreduce of micro-batch sizes of a training step (in fit)")
+            "step (in evaluate); rank 1: the gradient allreduce of step 1 (in fit)")
     assert process.stderr.strip().splitlines()[-1].endswith(f"raised CollectiveMismatchError: {both}."), \
         process.stderr
     for rank in (0, 1):

@@ -340,6 +340,34 @@ def save_into(folder):
     model.save(os.path.join(folder, "model.keras"))
 
 
+def step_openings(loss):
+    """Trains on 70 samples in global batches of 16 (the last has 6) for 2 epochs, with
+    validation, and reports the step openings and gradient rounds it ran, and its largest
+    weight difference to serial Keras trained in the same process."""
+    from tarantella import communication
+    counts = {"openings": 0, "rounds": 0}
+
+    def counting(name, method):
+        def counted(*args, **kwargs):
+            counts[name] += 1
+            return method(*args, **kwargs)
+        return counted
+
+    communication.Communicator.open_step = counting("openings", communication.Communicator.open_step)
+    communication.Communicator.collect_buckets = counting("rounds", communication.Communicator.collect_buckets)
+    data = dataset(samples=70)
+    losses = {"mean": "sparse_categorical_crossentropy",
+              "sum": keras.losses.SparseCategoricalCrossentropy(reduction="sum")}
+    trained = []
+    for wrap in (tnt.Model, lambda model: model):
+        model = wrap(small_model())
+        model.compile("sgd", losses[loss], metrics=["accuracy"])
+        model.fit(data, validation_data=data.take(2), epochs=2, verbose=0)
+        trained.append(model.get_weights())
+    difference = max(float(np.abs(a - b).max()) for a, b in zip(*trained))
+    report(f"openings {counts['openings']} rounds {counts['rounds']} weights differ by {difference:.2e}")
+
+
 def _square_and_size(number):
     return number * number, tnt.get_size()
 
@@ -379,6 +407,7 @@ SCENARIOS = {
     "batchnorm-empty-micro-batches": batchnorm_with_empty_micro_batches,
     "predict-uncompiled-dict-outputs": predict_uncompiled_dict_outputs,
     "xla-requested": xla_requested,
+    "step-openings": lambda: step_openings(sys.argv[2]),
     "save-into": lambda: save_into(sys.argv[2]),
     "worker-pool": lambda: worker_pool(sys.argv[2]),
 }
