@@ -14,7 +14,13 @@ from the wrapped model's stateless parts (`compute_loss_and_updates`, the optimi
    micro-batch's loss weighted by m, so the summed tracker holds the serial mean loss.
 4. losses that do not divide by the micro-batch's entries (masked, weighted means, sums):
    each compiled loss term's divisor is summed over ranks and its value rescaled
-   (loss_reductions.global_loss_terms), so that share-weighted sums give the serial loss.
+   (loss_reductions.global_loss_terms), so that share-weighted sums give the serial loss;
+5. synchronized BatchNormalization (`layer.synchronized = True`, or
+   `tnt.Model(..., synchronized_batch_normalization=True)`): while the training step is traced,
+   Keras' JAX `moments` (which refuses `synchronized=True`) is replaced. Each rank sums
+   (count * mean, count * (variance + mean^2), count) of its micro-batch over ranks, one
+   allreduce per layer call in forward order, under a `jax.custom_vjp` whose backward pass is
+   the allreduce of the incoming cotangents, in backward order (see `_global_moments`).
 
 Each of these runs inside the jitted step as an ordered `io_callback` that hands its job to
 the communicator's worker thread and waits for it: the callbacks of a step run in program
@@ -36,8 +42,14 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 from jax.experimental import io_callback
+# Keras' JAX backend computes BatchNormalization's moments here, and refuses synchronized=True;
+# tests/test_keras_internals.py checks that the layer still calls it.
+from keras.src.backend.jax import nn as keras_jax_nn
 
 from tarantella import gradients, loss_reductions
+
+_MOMENTS = "the allreduce of synchronized BatchNormalization moments"
+_MOMENTS_GRADIENTS = "the allreduce of synchronized BatchNormalization gradients"
 
 # MPI has no portable 16-bit float; such gradients travel as float32.
 _WIRE_DTYPES = (jnp.float32, jnp.float64)
@@ -74,7 +86,8 @@ class JaxStep:
         zeroed = [jnp.zeros_like(v) for v in metric_state]
 
         def share_of_loss(trainable):
-            with self._global_loss_terms(sequence, samples, global_samples):
+            with self._global_loss_terms(sequence, samples, global_samples), \
+                    self._global_moments(sequence, contributes=samples > 0):
                 loss, aux = model.compute_loss_and_updates(
                     trainable, non_trainable, zeroed, x, y, sample_weight, training=True,
                     optimizer_variables=optimizer_state)
@@ -160,6 +173,81 @@ class JaxStep:
 
         return loss_reductions.global_loss_terms(compile_loss, inverse_share, sum_over_ranks)
 
+    @contextlib.contextmanager
+    def _global_moments(self, sequence, contributes):
+        """While the loss is traced: synchronized BatchNormalization normalizes with the moments
+        of the global batch.
+
+        The sum over ranks is linear, so its derivative is the sum over ranks of the incoming
+        cotangents. Each rank differentiates its loss times its share m/B, so the cotangent that
+        reaches rank q's summed moments is already weighted: share_q * dL_q/dS. The serial loss
+        is sum_q share_q * L_q, whose derivative with respect to rank r's own moments is
+        sum_q share_q * dL_q/dS: the plain sum of the ranks' cotangents, with no weight put in
+        or taken out (TensorFlow's loss_weighted branch). A rank without samples sends zeros
+        both ways (its zero row's cotangents may hold NaN). Forward allreduces come in the
+        order the layers are called, backward ones in backprop's order (JAX traces the custom
+        rules' backward passes in reverse), all before the gradient buckets: they are ordered
+        callbacks, and the buckets depend on the gradients they produce."""
+        original = keras_jax_nn.moments
+
+        def moments(x, axes, keepdims=False, synchronized=False):
+            if not synchronized:
+                return original(x, axes, keepdims=keepdims)
+            return self._moments_of_every_rank(sequence, contributes, x, axes, keepdims)
+
+        keras_jax_nn.moments = moments
+        try:
+            yield
+        finally:
+            keras_jax_nn.moments = original
+
+    def _moments_of_every_rank(self, sequence, contributes, x, axes, keepdims):
+        dtype = x.dtype
+        # As Keras: float16 statistics are taken in float32.
+        compute = jnp.float32 if dtype in (jnp.float16, jnp.bfloat16) else dtype
+        x = x.astype(compute)
+        axes = tuple(axes)
+        count = float(np.prod([x.shape[a] for a in axes]))  # static, as every shape in a jitted step
+        # Serial Keras' two-pass moments of the micro-batch.
+        mean = jnp.mean(x, axes, keepdims=True)
+        variance = jnp.var(x, axis=axes, keepdims=True)
+        shape = mean.shape
+        local = jnp.concatenate([jnp.ravel(count * mean), jnp.ravel(count * (variance + jnp.square(mean))),
+                                 jnp.full((mean.size,), count, compute)])
+        # A rank without samples sends zeros, but keeps `local` in its differentiated program: its
+        # backward allreduce must run as on the other ranks (zeros_like would drop it).
+        local = jnp.where(jnp.asarray(contributes), local, jnp.zeros_like(local))
+        summed = self._summed_with_summed_gradients(sequence, contributes, local)
+        total, squares, counts = [piece.reshape(shape) for piece in jnp.split(summed, 3)]
+        mean = total / counts
+        variance = jnp.maximum(squares / counts - jnp.square(mean), 0.0)
+        if not keepdims:
+            mean, variance = jnp.squeeze(mean, axes), jnp.squeeze(variance, axes)
+        return mean.astype(dtype), variance.astype(dtype)
+
+    def _summed_with_summed_gradients(self, sequence, contributes, local):
+        """The sum over ranks of `local`, whose cotangent is the sum over ranks of the cotangents."""
+        spec = jax.ShapeDtypeStruct(local.shape, local.dtype)
+        forward = functools.partial(self._sum_in_float64, _MOMENTS)
+        backward = functools.partial(self._sum_in_float64, _MOMENTS_GRADIENTS)
+
+        @jax.custom_vjp
+        def sum_over_ranks(vector):
+            return io_callback(forward, spec, vector, ordered=True)
+
+        def sum_forward(vector):
+            return sum_over_ranks(vector), None
+
+        def sum_backward(_, cotangent):
+            if not contributes:
+                cotangent = jnp.zeros_like(cotangent)
+            sequence.append(f"{_MOMENTS_GRADIENTS} of float64[{cotangent.size}]")
+            return (io_callback(backward, spec, cotangent, ordered=True),)
+
+        sum_over_ranks.defvjp(sum_forward, sum_backward)
+        sequence.append(f"{_MOMENTS} of float64[{local.size}]")
+        return sum_over_ranks(local)
+
     def _sum_gradients(self, sequence, grads, contributes):
         """The sum over ranks of the (share-weighted) `grads`; a rank that does not contribute
         sends zeros (its zero row's gradients may hold NaN)."""
@@ -207,7 +295,9 @@ class JaxStep:
 
     def _sum_in_float64(self, what, vector):
         # JAX computes in float32 unless x64 is on; the ranks' increments are added in float64.
-        return self._comm.allreduce_sum(np.asarray(vector, np.float64), what, agreed=True).astype(np.float32)
+        dtype = np.asarray(vector).dtype
+        return self._comm.allreduce_sum(np.asarray(vector, np.float64), what, agreed=True).astype(
+            dtype if dtype in (np.float32, np.float64) else np.float32)
 
     def _logs(self, metric_state):
         """Keras' logs, read from the combined metric state."""

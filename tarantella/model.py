@@ -70,7 +70,7 @@ class Model(keras.Model):
         if not isinstance(synchronized_batch_normalization, bool):
             raise TypeError(f"synchronized_batch_normalization must be True or False; got "
                             f"{synchronized_batch_normalization!r}.")
-        _refuse_what_the_backend_lacks(model, synchronized_batch_normalization)
+        _refuse_what_the_backend_lacks(model)
         super().__init__(name=model.name)
         self._keras_model = model
         # torch.nn.Module keeps sub-modules out of __dict__, where the lookups below read the model.
@@ -568,7 +568,7 @@ class Sequential(Model):
 _BACKEND_NAMES = {"jax": "JAX", "torch": "PyTorch"}
 
 
-def _refuse_what_the_backend_lacks(model, synchronized_batch_normalization):
+def _refuse_what_the_backend_lacks(model):
     """Features of tnt.Model that the JAX and torch steps do not have yet: refused on every rank,
     before any collective, so that no rank waits for another."""
     backend = _BACKEND_NAMES.get(keras.backend.backend())
@@ -580,14 +580,6 @@ def _refuse_what_the_backend_lacks(model, synchronized_batch_normalization):
             f"{type(model).__name__} overrides {' and '.join(overridden)}: a custom step is not supported on "
             f"Keras' {backend} backend yet (tarantella builds the {backend} step from Keras' built-in one). Use "
             "the built-in step (customize compute_loss or the metrics instead), or the TensorFlow backend.")
-    synchronized = [layer.name for layer in model._flatten_layers()
-                    if isinstance(layer, keras.layers.BatchNormalization) and layer.synchronized]
-    if synchronized_batch_normalization or synchronized:
-        raise NotImplementedError(
-            "Synchronized BatchNormalization (synchronized_batch_normalization=True, or layers with "
-            f"synchronized=True: {synchronized[:5]}) is not supported on Keras' {backend} backend yet. Use "
-            "plain BatchNormalization (each rank normalizes with its micro-batch's statistics), or the "
-            "TensorFlow backend.")
 
 
 def _overrides(model, method):

@@ -16,6 +16,14 @@ things global:
    summed (one float64 allreduce) and added to the state the metric had. Keras feeds its
    loss tracker the micro-batch's loss weighted by m, so the sum holds the serial mean loss.
 
+4. synchronized BatchNormalization (`layer.synchronized = True`, or
+   `tnt.Model(..., synchronized_batch_normalization=True)`): during the training step Keras'
+   torch `moments` (which refuses `synchronized=True`) is replaced. Each rank sums
+   (count * mean, count * (variance + mean^2), count) of its micro-batch over ranks in float64,
+   one allreduce per layer call in forward order; its backward (`_SumOverRanks`) is the
+   allreduce of the incoming gradients, in backprop's order. The gradient buckets wait for the
+   last of these (see `_GradientRound`).
+
 A compiled loss that Keras does not divide by the micro-batch's number of entries (a mask from
 `mask_zero` or `ignore_class`, `reduction="mean_with_sample_weight"` with weights) is made
 global as on TensorFlow (loss_reductions.global_loss_terms): the rank's divisor is summed over
@@ -34,12 +42,17 @@ import contextlib
 import keras
 import numpy as np
 import torch
+# Keras' torch backend computes BatchNormalization's moments here, and refuses synchronized=True;
+# tests/test_keras_internals.py checks that the layer still calls it.
+from keras.src.backend.torch import nn as keras_torch_nn
 
 from tarantella import gradients, loss_reductions
 
 # MPI has no portable 16-bit float; such gradients travel as float32.
 _WIRE_DTYPES = (np.float32, np.float64)
 _METRICS = "the allreduce of losses and metrics"
+_MOMENTS = "the allreduce of synchronized BatchNormalization moments"
+_MOMENTS_GRADIENTS = "the allreduce of synchronized BatchNormalization gradients"
 
 
 class TorchStep:
@@ -83,7 +96,8 @@ class TorchStep:
         try:
             with _share_weighted_scale_loss(model.optimizer, share), \
                     _applying_summed_gradients(model.optimizer, self._round), \
-                    self._global_loss_terms(samples, global_samples):
+                    self._global_loss_terms(samples, global_samples), \
+                    _global_moments(self._comm, self._round, contributes=samples > 0):
                 model.train_step(data)
         finally:
             self._round = None
@@ -163,6 +177,83 @@ class TorchStep:
         return self._model.get_metrics_result()
 
 
+@contextlib.contextmanager
+def _global_moments(communicator, gradient_round, contributes):
+    """During the training step: synchronized BatchNormalization normalizes with the moments of
+    the global batch (Keras' own torch `moments` for every other call)."""
+    original = keras_torch_nn.moments
+
+    def moments(x, axes, keepdims=False, synchronized=False):
+        if not synchronized:
+            return original(x, axes, keepdims=keepdims)
+        return _moments_of_every_rank(communicator, gradient_round, contributes, x, axes, keepdims)
+
+    keras_torch_nn.moments = moments
+    try:
+        yield
+    finally:
+        keras_torch_nn.moments = original
+
+
+def _moments_of_every_rank(communicator, gradient_round, contributes, x, axes, keepdims):
+    """The mean and variance of the global batch: each rank's two-pass moments of its micro-batch,
+    combined in float64 without the cancellation of a float32 sum of squares."""
+    x = keras_torch_nn.convert_to_tensor(x)
+    dtype = x.dtype
+    axes = [a % x.dim() for a in (axes if isinstance(axes, (list, tuple)) else [axes])]
+    compute = x.float() if dtype in (torch.float16, torch.bfloat16) else x
+    count = float(np.prod([x.shape[a] for a in axes]))
+    mean = torch.mean(compute, dim=axes, keepdim=True).double()
+    variance = torch.var(compute, dim=axes, keepdim=True, correction=0).double()
+    shape = mean.shape
+    local = torch.cat([torch.flatten(count * mean), torch.flatten(count * (variance + torch.square(mean))),
+                       torch.full((mean.numel(),), count, dtype=torch.float64, device=mean.device)])
+    # A rank without samples sends zeros, but keeps `local` in its autograd graph: its backward
+    # allreduce must run as on the other ranks.
+    local = torch.where(torch.tensor(contributes, device=local.device), local, torch.zeros_like(local))
+    if local.requires_grad and torch.is_grad_enabled():  # autograd will run its backward
+        gradient_round.expect_moments_gradients()
+    summed = _SumOverRanks.apply(local, communicator, gradient_round, contributes)
+    total, squares, counts = [piece.reshape(shape) for piece in torch.split(summed, mean.numel())]
+    mean = total / counts
+    variance = torch.clamp(squares / counts - torch.square(mean), min=0.0)
+    if not keepdims:
+        mean, variance = torch.squeeze(mean, axes), torch.squeeze(variance, axes)
+    return mean.to(dtype), variance.to(dtype)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """The sum over ranks of a float64 vector; its gradient is the sum over ranks of the incoming
+    gradients.
+
+    Each rank backpropagates its loss times its share m/B, so the gradient reaching rank q's sum is
+    share_q * dL_q/dS already; the serial loss is sum_q share_q * L_q, and its derivative with
+    respect to rank r's own moments is the plain sum of those gradients over ranks. A rank without
+    samples sends zeros (its one zero row's gradients may hold NaN).
+
+    Each collective opens with its own agreement message (the step's opening cannot know how many
+    layer calls the forward pass makes), so ranks that differ fail with a clear error. Backward
+    allreduces run inside loss.backward(), while the gradient hooks hand buckets over: see
+    `_GradientRound` for why the two cannot interleave."""
+
+    @staticmethod
+    def forward(ctx, vector, communicator, gradient_round, contributes):
+        ctx.communicator, ctx.gradient_round, ctx.contributes = communicator, gradient_round, contributes
+        summed = communicator.allreduce_sum(vector.detach().cpu().numpy(), _MOMENTS)
+        return torch.from_numpy(summed).to(vector.device)
+
+    @staticmethod
+    def backward(ctx, upstream):
+        device = upstream.device
+        upstream = upstream.detach().cpu().numpy().astype(np.float64)
+        if not ctx.contributes:
+            upstream = np.zeros_like(upstream)
+        summed = torch.from_numpy(ctx.communicator.allreduce_sum(upstream, _MOMENTS_GRADIENTS)).to(device)
+        if ctx.gradient_round is not None:
+            ctx.gradient_round.moments_gradients_done()
+        return summed, None, None, None
+
+
 class _BucketPlan:
     """Where each trainable variable's gradient goes: its bucket, and its place in the bucket."""
 
@@ -195,7 +286,24 @@ class _BucketPlan:
 
 class _GradientRound:
     """One step's buckets: filled by the hooks as backprop goes, each handed to the communicator
-    when its last gradient arrives."""
+    when its last gradient arrives, or, while synchronized BatchNormalization still has backward
+    allreduces to come, as soon as the last of those has run.
+
+    Why they wait: the communicator reduces a step's buckets in one job on its worker thread,
+    which starts with the first bucket handed over and ends only when every bucket is reduced. A
+    synchronous collective submitted after it (a BatchNormalization layer's backward allreduce)
+    would wait for that job, and the job for gradients that backprop computes only after that
+    allreduce: a deadlock. And which bucket is complete when a given layer's backward runs
+    depends on autograd's schedule, which should not decide the order of collectives. So every
+    forward allreduce of moments that autograd will differentiate counts one backward allreduce
+    to come; buckets completed while any is to come are held, and handed over, in plan order,
+    right after the last one has returned (or when the optimizer asks for the sums, if some never
+    ran: a layer whose output the loss does not use). Every rank thus issues the same sequence:
+    the forward allreduces in layer order, the backward ones in backprop's order (the same graph,
+    the same order on every rank; each carries its own agreement message, so ranks that differ
+    fail with a clear error rather than mix data), then the gradient round. The buckets then
+    overlap only the backprop that follows the last backward allreduce (the layers before the
+    first synchronized BatchNormalization)."""
 
     def __init__(self, communicator, plan, contributes):
         self._comm = communicator
@@ -206,6 +314,21 @@ class _GradientRound:
         self._buffers = [np.zeros(size, dtype) for dtype, size, _ in plan.buckets]
         self._missing = [len(members) for _, _, members in plan.buckets]
         self._handed_over = [False] * len(plan.buckets)
+        self._moments_gradients_to_come = 0
+        self._held = []  # complete buckets waiting for the last backward allreduce of moments
+
+    def expect_moments_gradients(self):
+        self._moments_gradients_to_come += 1
+
+    def moments_gradients_done(self):
+        self._moments_gradients_to_come -= 1
+        if self._moments_gradients_to_come == 0:
+            self._release_held()
+
+    def _release_held(self):
+        held, self._held = sorted(self._held), []
+        for bucket in held:
+            self._hand_over(bucket)
 
     def add(self, position, gradient):
         bucket, offset, size = self.plan.place[position]
@@ -213,7 +336,10 @@ class _GradientRound:
             self._buffers[bucket][offset:offset + size] = gradient.detach().reshape(-1).cpu().numpy()
         self._missing[bucket] -= 1
         if self._missing[bucket] == 0:
-            self._hand_over(bucket)
+            if self._moments_gradients_to_come > 0:
+                self._held.append(bucket)
+            else:
+                self._hand_over(bucket)
 
     def _hand_over(self, bucket):
         self._handed_over[bucket] = True
@@ -223,6 +349,8 @@ class _GradientRound:
         """{variable index: the gradient summed over ranks}, once every bucket is reduced."""
         if not self._buffers:
             return {}
+        self._moments_gradients_to_come = 0
+        self._release_held()
         for bucket, handed_over in enumerate(self._handed_over):
             if not handed_over:  # some of its variables got no gradient in this backprop
                 self._hand_over(bucket)

@@ -4,10 +4,12 @@ The ranks run tests/workers/train_cases.py (the equivalence matrix's worker) wit
 KERAS_BACKEND=jax, against the same worker run serially on JAX, at test_equivalence.py's
 tolerances. The default slice covers even, uneven (global batch 71 on 2 ranks) and empty
 micro-batches (batch 2: the last global batch of 1 sample leaves rank 1 without one), and the
-refusals, two of the masked and summed losses of tests/workers/real_models.py on 2 ranks,
-callbacks with saving and loading (tests/workers/callbacks_and_saving.py), and a restart from
-an automatic backup. TNT_BACKEND_TESTS=1 adds every case on 2 ranks, the uneven cases and the
-masked, weighted and summed losses on 3 ranks, and the LeNet-5 example under JAX. Skipped where jax is not
+refusals, synchronized BatchNormalization (one dense layer, 2 ranks), two of the masked and
+summed losses of tests/workers/real_models.py on 2 ranks, callbacks with saving and loading
+(tests/workers/callbacks_and_saving.py), and a restart from an automatic backup.
+TNT_BACKEND_TESTS=1 adds every case on 2 ranks, the uneven cases, the masked, weighted and
+summed losses and synchronized BatchNormalization (conv nets) on 3 ranks, and the LeNet-5
+example under JAX. Skipped where jax is not
 installed (pip install -e ".[cpu,mpich,test,jax]").
 """
 
@@ -32,6 +34,7 @@ needs_all = pytest.mark.skipif(not ALL, reason="the whole JAX matrix runs with T
 
 WORKER = WORKERS / "train_cases.py"
 REAL_MODELS_WORKER = WORKERS / "real_models.py"
+SYNC_BN_WORKER = WORKERS / "synchronized_batch_norm.py"
 JAX = {"KERAS_BACKEND": "jax"}
 DEFAULT_CASES = ["mlp-adam", "mlp-batch71", "mlp-batch2"]
 # steps_per_execution > 1 is refused for predict on JAX with several ranks (see docs/guide.md).
@@ -87,9 +90,35 @@ def test_masked_weighted_and_summed_losses_train_like_serial_keras_on_jax(ranks,
     assert_ranks_like_serial(loss_serial_dir, out, cases, ranks, "JAX")
 
 
+# The conv net on 2 ranks takes about 55 s on 2 cores (a serial process, then the ranks), so the
+# default slice runs the quick case, whose serial reference trains in the ranks' processes.
+@pytest.mark.parametrize("ranks, cases", [
+    (2, ["sync-bn-quick"]),
+    pytest.param(2, ["sync-bn-conv", "sync-bn-dense"], marks=needs_all),
+    pytest.param(3, ["sync-bn-conv", "sync-bn-dense"], marks=needs_all),
+])
+def test_synchronized_batch_normalization_trains_like_serial_keras_on_jax(ranks, cases, scratch):
+    """tnt.Model(model, synchronized_batch_normalization=True) against serial Keras-on-JAX with the
+    same layers unsynchronized (one process: the batch is the global batch): the moments' forward
+    and backward allreduces inside the jitted step (tests/workers/synchronized_batch_norm.py: a
+    conv net, SGD with momentum or Adam, or one dense layer for one epoch (quick); global batch 10
+    of 61 samples: 5/5 and 4/3/3 samples, and a last batch of 1 that leaves the other ranks empty)."""
+    serial, out = scratch / f"jax-sync-bn-serial-{ranks}-{cases[-1]}", scratch / f"jax-sync-bn-{ranks}-{cases[-1]}"
+    serial.mkdir()
+    out.mkdir()
+    if cases == ["sync-bn-quick"]:  # the serial reference trains in the ranks' processes first: one launch
+        in_process = ["--serial-out", serial]
+    else:
+        in_process = []
+        assert_ok(run_python(SYNC_BN_WORKER, "--mode", "serial", "--out", serial, "--cases", ",".join(cases),
+                             env=JAX))
+    assert_ok(launch(ranks, SYNC_BN_WORKER, "--mode", "tnt", "--out", out, "--cases", ",".join(cases), *in_process,
+                     env=JAX))
+    assert_ranks_like_serial(serial, out, cases, ranks, "JAX")
+
+
 @pytest.mark.parametrize("feature, named", [
     ("custom_train_step", "overrides train_step"),
-    ("synchronized_batch_normalization", "Synchronized BatchNormalization"),
     ("tnt_optimizers", "tnt.optimizers"),
     ("collective_in_jit", "tnt.allreduce cannot run inside jitted code"),
 ])

@@ -1,10 +1,14 @@
 """The private Keras/TensorFlow attributes tarantella's step relies on still exist and mean
 what it assumes. When a Keras release changes one, this file fails first, naming it."""
 
+import importlib.util
+
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
+from conftest import run_python
 from tarantella import distributed_step
 
 
@@ -121,3 +125,58 @@ def test_keras_own_train_step_differentiates_what_optimizer_scale_loss_returns()
     for old, new in zip(before, model.get_weights()):
         np.testing.assert_array_equal(new, old, err_msg="the gradients did not come from scale_loss's value")
     assert type(model).train_step is keras.Model.train_step  # how DistributedStep recognises Keras' own step
+
+
+# tarantella/jax_step.py and tarantella/torch_step.py replace `moments` of Keras' JAX and torch
+# backends during a training step. Each backend runs in its own process (KERAS_BACKEND is read once).
+_MOMENTS_ON_BACKEND = """
+import inspect, os, sys
+import numpy as np
+import keras
+from keras.src.backend import {backend} as backend_module
+nn = backend_module.nn
+parameters = list(inspect.signature(nn.moments).parameters)
+assert parameters == ["x", "axes", "keepdims", "synchronized"], parameters
+# The layer refuses synchronized=True when built on this backend: tnt.Model sets the attribute.
+try:
+    keras.layers.BatchNormalization(synchronized=True)
+except ValueError:
+    pass
+else:
+    sys.exit("BatchNormalization(synchronized=True) is accepted on {backend} now: tarantella's docs say it is not")
+calls = []
+original = nn.moments
+def watched(x, axes, keepdims=False, synchronized=False):
+    calls.append((tuple(x.shape), list(axes), keepdims, synchronized))
+    return original(x, axes, keepdims=keepdims)
+nn.moments = watched
+try:
+    layer = keras.layers.BatchNormalization()
+    layer.synchronized = True
+    layer(np.ones((4, 2, 2, 3), np.float32), training=True)
+    layer(np.ones((4, 2, 2, 3), np.float32), training=False)
+finally:
+    nn.moments = original
+assert calls == [((4, 2, 2, 3), [0, 1, 2], False, True)], calls
+# Keras' own moments still refuses synchronized=True, which tarantella's replacement provides.
+try:
+    original(keras.ops.ones((4, 3)), [0], synchronized=True)
+except NotImplementedError:
+    pass
+else:
+    sys.exit("Keras' {backend} moments computes synchronized moments itself now")
+print("checked")
+"""
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_synchronized_batch_normalization_calls_the_backend_moments_tarantella_replaces(backend, tmp_path):
+    """BatchNormalization with `synchronized = True` set after construction (as tnt.Model does) calls
+    keras.src.backend.<backend>.nn.moments(x, axes, keepdims=False, synchronized=True), looked up at
+    call time, and only while training."""
+    if importlib.util.find_spec(backend) is None:
+        pytest.skip(f"{backend} is not installed")
+    script = tmp_path / "moments.py"
+    script.write_text(_MOMENTS_ON_BACKEND.format(backend=backend))
+    process = run_python(script, env={"KERAS_BACKEND": backend}, timeout=300)
+    assert process.returncode == 0 and "checked" in process.stdout, process.stdout[-2000:] + process.stderr[-3000:]

@@ -5,9 +5,10 @@ tests/workers/torch_cases.py (DataLoader and NumPy inputs, masked and non-mean l
 train_on_batch, saving and loading, ModelCheckpoint and EarlyStopping) with KERAS_BACKEND=torch, against
 the same workers run serially on torch, at test_equivalence.py's tolerances: even, uneven
 (global batch 71) and empty micro-batches (batch 2), a tuple input, LeNet-5, a 1 MiB gradient
-(the ring allreduce). Also: the features the torch step lacks are refused on every rank, and
-the LeNet-5 example runs unchanged on torch. Skipped where torch is not installed; PyPI's
-torch wheel brings 4 GB of CUDA libraries, so install the CPU wheel:
+(the ring allreduce), synchronized BatchNormalization (tests/workers/synchronized_batch_norm.py).
+Also: the features the torch step lacks are refused on every rank, and the LeNet-5 example runs
+unchanged on torch. Skipped where torch is not installed; PyPI's torch wheel brings 4 GB of CUDA
+libraries, so install the CPU wheel:
 pip install torch --index-url https://download.pytorch.org/whl/cpu
 """
 
@@ -28,8 +29,12 @@ TRAIN_CASES = {2: ["mlp-adam", "mlp-batch71", "mlp-batch2", "tuple-adam", "wide-
                3: ["mlp-batch71", "mlp-batch2", "lenet5-momentum", "mlp-unseeded-shuffle"]}
 LOSS_CASES = ["ignore-class", "mask-zero", "summed-loss", "weighted-mean", "sample-weights"]
 API_CASES = ["on-batch", "save-load", "callbacks"]  # the master writes; every rank loads
-TORCH_CASES = {2: ["data-loader", "numpy-batch2", "data-loader-shuffled", *LOSS_CASES, *API_CASES],
-               3: ["data-loader", "numpy-batch2", "data-loader-shuffled", *LOSS_CASES]}
+# Synchronized BatchNormalization (tnt.Model(..., synchronized_batch_normalization=True)) against serial
+# Keras with the same layers unsynchronized: a conv net, global batch 10 of 61 samples (5/5, 4/3/3, and a
+# last batch of 1 that leaves the other ranks empty); tests/workers/synchronized_batch_norm.py.
+SYNC_BN_CASES = ["sync-bn-conv", "sync-bn-dense"]
+TORCH_CASES = {2: ["data-loader", "numpy-batch2", "data-loader-shuffled", *LOSS_CASES, *API_CASES, *SYNC_BN_CASES],
+               3: ["data-loader", "numpy-batch2", "data-loader-shuffled", *LOSS_CASES, *SYNC_BN_CASES]}
 WORKER_CASES = {"train_cases.py": TRAIN_CASES, "torch_cases.py": TORCH_CASES}
 
 
@@ -57,7 +62,6 @@ def test_ranks_train_like_serial_keras_on_torch(ranks, serial_dir, scratch):
 
 @pytest.mark.parametrize("feature, named", [
     ("custom_train_step", "overrides train_step"),
-    ("synchronized_batch_normalization", "Synchronized BatchNormalization"),
     ("tnt_optimizers", "tnt.optimizers"),
     ("collective_on_tensor", "tnt.allreduce does not take Tensor values"),
     ("local_logs", "aggregate_logs=False"),

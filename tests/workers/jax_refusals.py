@@ -14,10 +14,6 @@ import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
 
 
-def small_model():
-    return keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(), keras.layers.Dense(2)])
-
-
 class OwnTrainStep(keras.Sequential):
     def train_step(self, state, data):
         return super().train_step(state, data)
@@ -25,10 +21,6 @@ class OwnTrainStep(keras.Sequential):
 
 def custom_train_step():
     tnt.Model(OwnTrainStep([keras.Input((4,)), keras.layers.Dense(2)]))
-
-
-def synchronized_batch_normalization():
-    tnt.Model(small_model(), synchronized_batch_normalization=True)
 
 
 def tnt_optimizers():
@@ -39,8 +31,7 @@ def collective_in_jit():
     jax.jit(lambda v: tnt.allreduce(v))(jnp.ones(3))
 
 
-FEATURES = {f.__name__: f for f in (custom_train_step, synchronized_batch_normalization, tnt_optimizers,
-                                    collective_in_jit)}
+FEATURES = {f.__name__: f for f in (custom_train_step, tnt_optimizers, collective_in_jit)}
 
 if __name__ == "__main__":
     # A refusing rank ends normally, so that no rank's failure stops the others before they print.

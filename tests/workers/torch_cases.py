@@ -1,7 +1,8 @@
 """Keras' PyTorch backend: inputs only torch has, and the features tnt.Model refuses there.
 
 `--mode serial` trains with plain Keras-on-torch, `--mode tnt` with tnt.Model; each saves one
-file per case and rank for the test to compare. `--refuse FEATURE` runs one feature that the
+file per case and rank for the test to compare (the synchronized BatchNormalization cases come
+from synchronized_batch_norm.py). `--refuse FEATURE` runs one feature that the
 torch step does not have yet, which must raise a clear error on every rank, before any collective.
 """
 
@@ -11,6 +12,8 @@ import sys
 
 os.environ["KERAS_BACKEND"] = "torch"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import synchronized_batch_norm  # noqa: E402  (tests/workers: synchronized BatchNormalization)
 
 SAMPLES = 135
 
@@ -118,6 +121,8 @@ def run_case(name, mode, out_dir):
     import numpy as np
     import torch
 
+    if name in synchronized_batch_norm.CASES:  # a conv net; global batch 10 of 61 samples
+        return synchronized_batch_norm.run_case(name, mode, out_dir)
     keras.utils.set_random_seed(11)
     model = masked_sequence_model(keras) if name == "mask-zero" else mlp(keras)
     if mode == "tnt":
@@ -161,7 +166,8 @@ def save(name, rank, model, history, arrays, out_dir):
     np.savez(os.path.join(out_dir, f"{name}.rank{rank}.npz"), **arrays)
 
 
-CASES = ["data-loader", "data-loader-shuffled", "numpy-batch2", *LOSS_CASES, *API_CASES]
+CASES = ["data-loader", "data-loader-shuffled", "numpy-batch2", *LOSS_CASES, *API_CASES,
+         *synchronized_batch_norm.CASES]
 
 
 def refuse(feature):
@@ -179,9 +185,6 @@ def refuse(feature):
     try:
         if feature == "custom_train_step":
             tnt.Model(OwnTrainStep([keras.Input((8,)), keras.layers.Dense(3)]))
-        elif feature == "synchronized_batch_normalization":
-            tnt.Model(keras.Sequential([keras.Input((8,)), keras.layers.BatchNormalization(), keras.layers.Dense(3)]),
-                      synchronized_batch_normalization=True)
         elif feature == "tnt_optimizers":
             tnt.optimizers.Optimizer(keras.optimizers.SGD())
         elif feature == "collective_on_tensor":
