@@ -8,7 +8,11 @@ from the wrapped model's stateless parts (`compute_loss_and_updates`, the optimi
    agrees on the step's whole sequence of collectives and sums the ranks' sample counts m
    (a static number in a jitted step, as every shape is);
 2. gradients: each rank differentiates its loss times its share m/B, and the gradients are
-   summed over ranks in fused buckets (the plan of gradients.py, last layer first);
+   summed over ranks in fused buckets (the plan of gradients.py, last layer first). A gradient
+   that alone reaches the fusion threshold is its own bucket, handed over unconcatenated; the
+   worker reads each bucket where XLA holds it (read-only) and writes the sum into a buffer of
+   the step's own, allocated once and reused every step (no copy of the input, and no fresh
+   40 MB to page in per step), from which JAX copies the results;
 3. metrics: every metric variable starts the step at zero; the increments of all ranks are
    summed and added to the state the metric had. Keras feeds its loss tracker the
    micro-batch's loss weighted by m, so the summed tracker holds the serial mean loss.
@@ -26,6 +30,17 @@ Each of these runs inside the jitted step as an ordered `io_callback` that hands
 the communicator's worker thread and waits for it: the callbacks of a step run in program
 order, and the worker issues every collective of the process in one fixed order, so every
 rank issues the same collectives in the same order.
+
+The gradient sum is one such callback, after the whole backprop: it does not overlap with it as
+TensorFlow's and PyTorch's buckets do. Timed inside the callback (MLP 784-2048x3-10, 40 MB of
+float32 gradients, 2 ranks, on a machine shared with other jobs, so rough): copying the buckets
+into fresh writable arrays, as this step did before it summed out of place, took 74-99 ms of a
+95-130 ms callback per step; interleaved with that code, the callback now takes 74-116 ms
+against 147-184 ms. benchmarks/scaling.py's (c)/(d) for that MLP went from 3.11 to 2.66 in
+alternating runs (TensorFlow's 1.49-1.60 in the same runs; the target, 1.10 times TensorFlow's,
+is still missed): what remains is the sum waiting for the whole backprop, the ring allreduce
+itself, and JAX's handling of a callback's arguments and results (an ordered io_callback with
+a 16 MB argument and result costs about 5.7 ms beyond the compute, a 16 MB memcpy 1.1 ms).
 
 Predictions are gathered outside the jitted step (`wrap_predict_function`): the size of the
 global batch is not known to the trace, and a gather needs it for its result's shape.
@@ -62,6 +77,7 @@ class JaxStep:
         self._comm = communicator
         self._model = model
         self._threshold_bytes = threshold_bytes
+        self._sum_buffers = {}  # (bucket, dtype, size) -> the buffer its sum is written into
         # Callbacks asking for rank-local logs (aggregate_logs=False) are refused on JAX.
         self.local_metric_state = None
 
@@ -258,25 +274,54 @@ class JaxStep:
         members = [[backprop_order[k] for k in bucket] for bucket in plan]
         if not members:
             return grads
-        buckets = [jnp.concatenate([jnp.ravel(wire[i]) for i in bucket]) for bucket in members]
+        # A gradient alone in its bucket (every one that reaches the fusion threshold) is handed
+        # over as it is; only the small ones are concatenated.
+        buckets = [wire[bucket[0]] if len(bucket) == 1 else jnp.concatenate([jnp.ravel(wire[i]) for i in bucket])
+                   for bucket in members]
         if not contributes:
             buckets = [jnp.zeros_like(b) for b in buckets]
         sequence.append("a gradient allreduce of buckets " + ", ".join(f"{b.dtype}[{b.size}]" for b in buckets))
-        summed = io_callback(self._reduce_buckets, [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buckets],
+        order = [i for bucket in members for i in bucket]
+        shapes = tuple(tuple(wire[i].shape for i in bucket) for bucket in members)
+        summed = io_callback(functools.partial(self._reduce_buckets, shapes),
+                             [jax.ShapeDtypeStruct(wire[i].shape, wire[i].dtype) for i in order],
                              *buckets, ordered=True)
         result = list(grads)
-        for bucket, flat in zip(members, summed):
-            offsets = np.cumsum([grads[i].size for i in bucket])[:-1]
-            for i, piece in zip(bucket, jnp.split(flat, offsets)):
-                result[i] = piece.reshape(grads[i].shape).astype(grads[i].dtype)
+        for i, total in zip(order, summed):
+            result[i] = total.astype(grads[i].dtype)
         return result
 
-    def _reduce_buckets(self, *buckets):
+    def _reduce_buckets(self, shapes, *buckets):
+        """Each bucket summed over ranks, cut into its gradients' shapes.
+
+        The worker reads the callback's (read-only) arguments where XLA holds them and writes
+        each sum into this step's own buffer for the bucket, allocated once and reused by every
+        step: JAX copies a callback's results into its own buffers, and a fresh 40 MB array per
+        step would cost its page faults each time. The gradients are views into those buffers."""
         count = len(buckets)
+        sums = []
         for index, bucket in enumerate(buckets):
-            # The worker sums in place; the callback's arguments belong to XLA.
-            self._comm.submit_bucket(index, count, np.array(bucket, copy=True, order="C"), agreed=True)
-        return list(self._comm.collect_buckets())
+            bucket = np.ascontiguousarray(np.asarray(bucket)).reshape(-1)
+            into = self._sum_buffer(index, bucket)
+            self._comm.submit_bucket(index, count, bucket, agreed=True, into=into)
+            sums.append(into)
+        self._comm.collect_buckets()
+        pieces = []
+        for total, bucket_shapes in zip(sums, shapes):
+            offset = 0
+            for shape in bucket_shapes:
+                size = int(np.prod(shape, dtype=np.int64))
+                pieces.append(total[offset:offset + size].reshape(shape))
+                offset += size
+        return pieces
+
+    def _sum_buffer(self, index, bucket):
+        """The buffer that bucket `index` is summed into (one per bucket, reused by every step)."""
+        key = (index, bucket.dtype, bucket.size)
+        buffer = self._sum_buffers.get(key)
+        if buffer is None:
+            buffer = self._sum_buffers[key] = np.empty(bucket.size, bucket.dtype)
+        return buffer
 
     def _add_global_increments(self, sequence, metric_state, increments, contributes):
         """The metric state advanced by the increments of every rank."""
