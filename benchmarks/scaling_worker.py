@@ -279,7 +279,7 @@ def remove_gradient_allreduce(backend):
     The rest of the backend's step (its opening, the metrics' allreduce) stays."""
     if backend == "jax":
         from tarantella import jax_step
-        jax_step.JaxStep._sum_gradients = lambda self, sequence, grads, contributes: grads
+        jax_step.JaxStep._sum_gradients = lambda self, sequence, grads, contributes: (grads, None)
     elif backend == "torch":
         # The hooks still copy each gradient into its bucket; no bucket is handed to the
         # communicator, and the optimizer, finding no sums, applies the rank's own gradients.

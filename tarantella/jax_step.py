@@ -9,10 +9,9 @@ from the wrapped model's stateless parts (`compute_loss_and_updates`, the optimi
    (a static number in a jitted step, as every shape is);
 2. gradients: each rank differentiates its loss times its share m/B, and the gradients are
    summed over ranks in fused buckets (the plan of gradients.py, last layer first). A gradient
-   that alone reaches the fusion threshold is its own bucket, handed over unconcatenated; the
-   worker reads each bucket where XLA holds it (read-only) and writes the sum into a buffer of
-   the step's own, allocated once and reused every step (no copy of the input, and no fresh
-   40 MB to page in per step), from which JAX copies the results;
+   that alone reaches the fusion threshold is its own bucket, handed over unconcatenated. The
+   sum is a `buffer_callback`: the worker reads each bucket where XLA holds it and writes the
+   sum straight into XLA's output buffer, so no bucket is copied on its way in or out;
 3. metrics: every metric variable starts the step at zero; the increments of all ranks are
    summed and added to the state the metric had. Keras feeds its loss tracker the
    micro-batch's loss weighted by m, so the summed tracker holds the serial mean loss.
@@ -26,21 +25,21 @@ from the wrapped model's stateless parts (`compute_loss_and_updates`, the optimi
    allreduce per layer call in forward order, under a `jax.custom_vjp` whose backward pass is
    the allreduce of the incoming cotangents, in backward order (see `_global_moments`).
 
-Each of these runs inside the jitted step as an ordered `io_callback` that hands its job to
-the communicator's worker thread and waits for it: the callbacks of a step run in program
-order, and the worker issues every collective of the process in one fixed order, so every
-rank issues the same collectives in the same order.
+The opening, the divisors, the moments and the metric sum each run inside the jitted step as an
+ordered `io_callback` that hands its job to the communicator's worker thread and waits for it:
+ordered callbacks run in program order. The gradient sum is in no such chain (a
+`buffer_callback` has no ordered effect), so its inputs and outputs place it: it takes every
+gradient (a rank sending zeros passes them too, unread), which come after the opening and the
+loss's and backprop's callbacks, and the metric sum takes a piece of its result. The worker
+issues every collective of the process in one fixed order, so every rank issues the same
+collectives in the same order.
 
-The gradient sum is one such callback, after the whole backprop: it does not overlap with it as
-TensorFlow's and PyTorch's buckets do. Timed inside the callback (MLP 784-2048x3-10, 40 MB of
-float32 gradients, 2 ranks, on a machine shared with other jobs, so rough): copying the buckets
-into fresh writable arrays, as this step did before it summed out of place, took 74-99 ms of a
-95-130 ms callback per step; interleaved with that code, the callback now takes 74-116 ms
-against 147-184 ms. benchmarks/scaling.py's (c)/(d) for that MLP went from 3.11 to 2.66 in
-alternating runs (TensorFlow's 1.49-1.60 in the same runs; the target, 1.10 times TensorFlow's,
-is still missed): what remains is the sum waiting for the whole backprop, the ring allreduce
-itself, and JAX's handling of a callback's arguments and results (an ordered io_callback with
-a 16 MB argument and result costs about 5.7 ms beyond the compute, a 16 MB memcpy 1.1 ms).
+The gradient sum runs after the whole backprop: it does not overlap with it as TensorFlow's and
+PyTorch's buckets do. It used to be an `io_callback`, whose arguments JAX copies in with a
+`device_put` and whose results it copies out: for the MLP of benchmarks/scaling.py (40 MB of
+gradients) that cost the step more than the ring allreduce itself, and on a rank bound to a
+single core the `device_put` of a large bucket waited for XLA's only thread, the one blocked
+in the callback: the job hung (tests/test_jax_backend.py runs such a job).
 
 Predictions are gathered outside the jitted step (`wrap_predict_function`): the size of the
 global batch is not known to the trace, and a gather needs it for its result's shape.
@@ -57,6 +56,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 from jax.experimental import io_callback
+from jax.experimental.buffer_callback import buffer_callback
 # Keras' JAX backend computes BatchNormalization's moments here, and refuses synchronized=True;
 # tests/test_keras_internals.py checks that the layer still calls it.
 from keras.src.backend.jax import nn as keras_jax_nn
@@ -77,7 +77,6 @@ class JaxStep:
         self._comm = communicator
         self._model = model
         self._threshold_bytes = threshold_bytes
-        self._sum_buffers = {}  # (bucket, dtype, size) -> the buffer its sum is written into
         # Callbacks asking for rank-local logs (aggregate_logs=False) are refused on JAX.
         self.local_metric_state = None
 
@@ -111,10 +110,10 @@ class JaxStep:
 
         (_, aux), grads = jax.value_and_grad(share_of_loss, has_aux=True)(trainable)
         unscaled_loss, y_pred, new_non_trainable, increments = aux
-        grads = self._sum_gradients(sequence, grads, contributes=samples > 0)
+        grads, summed = self._sum_gradients(sequence, grads, contributes=samples > 0)
         trainable, optimizer_state = model.optimizer.stateless_apply(optimizer_state, grads, trainable)
         _, increments = model._update_metrics_variables(increments, unscaled_loss, x, y, y_pred, sample_weight)
-        metric_state = self._add_global_increments(sequence, metric_state, increments, samples > 0)
+        metric_state = self._add_global_increments(sequence, metric_state, increments, samples > 0, after=summed)
         if samples > 0:
             non_trainable = new_non_trainable
         return self._logs(metric_state), (trainable, non_trainable, optimizer_state, metric_state)
@@ -265,66 +264,57 @@ class JaxStep:
         return sum_over_ranks(local)
 
     def _sum_gradients(self, sequence, grads, contributes):
-        """The sum over ranks of the (share-weighted) `grads`; a rank that does not contribute
-        sends zeros (its zero row's gradients may hold NaN)."""
+        """The sum over ranks of the (share-weighted) `grads`, and one summed bucket that later
+        collectives of the step take as an input, so that they run after this one; a rank that
+        does not contribute sends zeros (its zero row's gradients may hold NaN)."""
         backprop_order = list(reversed(range(len(grads))))
         wire = [g if g.dtype in _WIRE_DTYPES else g.astype(jnp.float32) for g in grads]
         plan = gradients.plan_buckets([wire[i].size * wire[i].dtype.itemsize for i in backprop_order],
                                       [wire[i].dtype for i in backprop_order], self._threshold_bytes)
         members = [[backprop_order[k] for k in bucket] for bucket in plan]
         if not members:
-            return grads
+            return grads, None
         # A gradient alone in its bucket (every one that reaches the fusion threshold) is handed
         # over as it is; only the small ones are concatenated.
         buckets = [wire[bucket[0]] if len(bucket) == 1 else jnp.concatenate([jnp.ravel(wire[i]) for i in bucket])
                    for bucket in members]
+        # The callback below is in no ordered chain of callbacks: only its inputs keep it after the
+        # step's earlier collectives. A rank that sends zeros passes its gradients too, unread.
+        waited_for = () if contributes else tuple(buckets)
         if not contributes:
             buckets = [jnp.zeros_like(b) for b in buckets]
         sequence.append("a gradient allreduce of buckets " + ", ".join(f"{b.dtype}[{b.size}]" for b in buckets))
-        order = [i for bucket in members for i in bucket]
-        shapes = tuple(tuple(wire[i].shape for i in bucket) for bucket in members)
-        summed = io_callback(functools.partial(self._reduce_buckets, shapes),
-                             [jax.ShapeDtypeStruct(wire[i].shape, wire[i].dtype) for i in order],
-                             *buckets, ordered=True)
+        # In place on XLA's own buffers: an io_callback would copy every bucket in (a device_put
+        # that, on a rank bound to one core, waits for the very thread the callback blocks) and
+        # every sum out again.
+        summed = buffer_callback(functools.partial(self._reduce_buckets, len(buckets)),
+                                 [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buckets],
+                                 has_side_effect=True)(*buckets, *waited_for)
         result = list(grads)
-        for i, total in zip(order, summed):
-            result[i] = total.astype(grads[i].dtype)
-        return result
-
-    def _reduce_buckets(self, shapes, *buckets):
-        """Each bucket summed over ranks, cut into its gradients' shapes.
-
-        The worker reads the callback's (read-only) arguments where XLA holds them and writes
-        each sum into this step's own buffer for the bucket, allocated once and reused by every
-        step: JAX copies a callback's results into its own buffers, and a fresh 40 MB array per
-        step would cost its page faults each time. The gradients are views into those buffers."""
-        count = len(buckets)
-        sums = []
-        for index, bucket in enumerate(buckets):
-            bucket = np.ascontiguousarray(np.asarray(bucket)).reshape(-1)
-            into = self._sum_buffer(index, bucket)
-            self._comm.submit_bucket(index, count, bucket, agreed=True, into=into)
-            sums.append(into)
-        self._comm.collect_buckets()
-        pieces = []
-        for total, bucket_shapes in zip(sums, shapes):
+        for bucket, total in zip(members, summed):
+            if len(bucket) == 1:
+                result[bucket[0]] = total.astype(grads[bucket[0]].dtype)
+                continue
             offset = 0
-            for shape in bucket_shapes:
-                size = int(np.prod(shape, dtype=np.int64))
-                pieces.append(total[offset:offset + size].reshape(shape))
-                offset += size
-        return pieces
+            for i in bucket:
+                piece = total[offset:offset + wire[i].size]
+                result[i] = piece.reshape(grads[i].shape).astype(grads[i].dtype)
+                offset += wire[i].size
+        return result, jnp.ravel(summed[0])[:1]
 
-    def _sum_buffer(self, index, bucket):
-        """The buffer that bucket `index` is summed into (one per bucket, reused by every step)."""
-        key = (index, bucket.dtype, bucket.size)
-        buffer = self._sum_buffers.get(key)
-        if buffer is None:
-            buffer = self._sum_buffers[key] = np.empty(bucket.size, bucket.dtype)
-        return buffer
+    def _reduce_buckets(self, count, context, sums, *buckets_and_unread):
+        """Sums each of the first `count` buckets over ranks into its output buffer. Both are
+        XLA's buffers, valid while this runs: the worker reads the bucket where it lies and
+        writes the sum in place."""
+        for index, (bucket, total) in enumerate(zip(buckets_and_unread[:count], sums)):
+            self._comm.submit_bucket(index, count, np.asarray(bucket).reshape(-1), agreed=True,
+                                     into=np.asarray(total).reshape(-1))
+        self._comm.collect_buckets()
 
-    def _add_global_increments(self, sequence, metric_state, increments, contributes):
-        """The metric state advanced by the increments of every rank."""
+    def _add_global_increments(self, sequence, metric_state, increments, contributes, after=None):
+        """The metric state advanced by the increments of every rank. `after` (optional, an
+        array the callback receives unread) keeps the allreduce after the computation of it: the
+        gradient sum's callback is in no ordered chain of callbacks."""
         if not increments:
             return metric_state
         flat = jnp.concatenate([jnp.ravel(v).astype(jnp.float32) for v in increments])
@@ -333,12 +323,12 @@ class JaxStep:
         what = "the allreduce of losses and metrics"
         sequence.append(f"{what} of float32[{flat.size}]")
         summed = io_callback(functools.partial(self._sum_in_float64, what), jax.ShapeDtypeStruct(flat.shape,
-                             jnp.float32), flat, ordered=True)
+                             jnp.float32), flat, *(() if after is None else (after,)), ordered=True)
         offsets = np.cumsum([v.size for v in increments])[:-1]
         return [before + piece.reshape(before.shape).astype(before.dtype)
                 for before, piece in zip(metric_state, jnp.split(summed, offsets))]
 
-    def _sum_in_float64(self, what, vector):
+    def _sum_in_float64(self, what, vector, *unread):
         # JAX computes in float32 unless x64 is on; the ranks' increments are added in float64.
         dtype = np.asarray(vector).dtype
         return self._comm.allreduce_sum(np.asarray(vector, np.float64), what, agreed=True).astype(

@@ -15,11 +15,14 @@ installed (pip install -e ".[cpu,mpich,test,jax]").
 
 import importlib.util
 import os
+import re
+import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import WORKERS, assert_ok, assert_ranks_like_serial, launch, load_npz, refusals_by_rank, run_python
+from conftest import (WORKERS, assert_ok, assert_ranks_like_serial, launch, launcher_command, load_npz, quiet_env,
+                      refusals_by_rank, run_python)
 from test_equivalence import UNEVEN_SPLIT_CASES
 from test_restarts import JOB, restart_lines, tarantella
 from test_example import EXAMPLE, SHORT_RUN, accuracy_in, mnist_installed
@@ -188,3 +191,27 @@ def test_callbacks_saving_loading_and_pydataset_on_jax_as_serial_keras(tmp_path)
             if trained in result:  # the loaded files hold the trained weights exactly
                 np.testing.assert_array_equal(result[key], result[trained], err_msg=f"rank {rank}, {key}")
     assert sorted(os.listdir(distributed)) == ["model.keras", "model.weights.h5", "rank0", "rank1"]
+
+
+def test_ranks_bound_to_one_core_train_on_jax(tmp_path):
+    """A rank that may run on one core only (taskset here; Open MPI binds each rank to a core by
+    default, as do many Slurm setups) has an XLA thread pool of one thread. The gradient sum
+    used to be an io_callback, whose large arguments JAX copies in on that pool, the very thread
+    the callback was blocking: this job (16 MB gradients, as benchmarks/scaling.py's MLP) hung
+    in its first epoch; it takes about 25 s on 2 busy cores now."""
+    script = tmp_path / "bound.py"
+    script.write_text(
+        "import numpy as np, keras, tarantella as tnt\n"
+        "layers = [keras.layers.Dense(2048, activation='relu') for _ in range(3)] + [keras.layers.Dense(10)]\n"
+        "model = tnt.Model(keras.Sequential([keras.Input((784,))] + layers))\n"
+        "model.compile('sgd', keras.losses.SparseCategoricalCrossentropy(from_logits=True))\n"
+        "rng = np.random.default_rng(0)\n"
+        "x, y = rng.random((768, 784), dtype='float32'), rng.integers(0, 10, 768)\n"
+        "loss = model.fit(x, y, batch_size=128, epochs=2, verbose=0).history['loss'][-1]\n"
+        "print(f'rank {tnt.get_rank()} loss {loss:.6f}', flush=True)\n")
+    core = str(sorted(os.sched_getaffinity(0))[0])
+    process = subprocess.run(["taskset", "-c", core] + launcher_command() + ["-n", "2", "--", str(script)],
+                             capture_output=True, text=True, timeout=180, env=quiet_env(**JAX))
+    assert_ok(process)
+    losses = dict(re.findall(r"rank (\d) loss (\S+)", process.stdout))
+    assert sorted(losses) == ["0", "1"] and losses["0"] == losses["1"], process.stdout[-2000:]
