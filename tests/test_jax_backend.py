@@ -7,8 +7,12 @@ micro-batches (batch 2: the last global batch of 1 sample leaves rank 1 without 
 refusals, synchronized BatchNormalization (one dense layer, 2 ranks), two of the masked and
 summed losses of tests/workers/real_models.py on 2 ranks, callbacks with saving and loading
 (tests/workers/callbacks_and_saving.py), and a restart from an automatic backup.
+The default slice also trains on an interleave of TFRecord files and an unshuffled PyDataset
+(tests/workers/backend_inputs.py), and runs the public collectives and a custom loop outside jitted
+code (tests/workers/backend_collectives.py), on 2 ranks.
 TNT_BACKEND_TESTS=1 adds every case on 2 ranks, the uneven cases, the masked, weighted and
-summed losses and synchronized BatchNormalization (conv nets) on 3 ranks, and the LeNet-5
+summed losses and synchronized BatchNormalization (conv nets) on 3 ranks, every file source,
+PyDataset and NumPy case on 2 and 3 ranks, the collectives on 3 ranks, and the LeNet-5
 example under JAX. Skipped where jax is not
 installed (pip install -e ".[cpu,mpich,test,jax]").
 """
