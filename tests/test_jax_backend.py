@@ -7,7 +7,7 @@ micro-batches (batch 2: the last global batch of 1 sample leaves rank 1 without 
 refusals, synchronized BatchNormalization (one dense layer, 2 ranks), two of the masked and
 summed losses of tests/workers/real_models.py on 2 ranks, callbacks with saving and loading
 (tests/workers/callbacks_and_saving.py), and a restart from an automatic backup.
-The default slice also trains on an interleave of TFRecord files and an unshuffled PyDataset
+The default slice also trains on an interleave of TFRecord files and a shuffled PyDataset
 (tests/workers/backend_inputs.py), and runs the public collectives and a custom loop outside jitted
 code (tests/workers/backend_collectives.py), on 2 ranks.
 TNT_BACKEND_TESTS=1 adds every case on 2 ranks, the uneven cases, the masked, weighted and
@@ -201,11 +201,13 @@ def test_callbacks_saving_loading_and_pydataset_on_jax_as_serial_keras(tmp_path)
 # tests/test_file_sources.py (tests/workers/record_files.py), on PyDatasets (unshuffled, with a
 # tnt.keras.callbacks.Callback recording each batch's logs; shuffled) and on NumPy arrays (uneven
 # micro-batches, sample weights, validation_split; ranks left empty), against serial Keras-on-JAX.
-# The default slice runs an interleave of TFRecord files and the unshuffled PyDataset on 2 ranks.
+# The default slice runs, on 2 ranks, a parallel interleave of TFRecord files under a list_files shuffle
+# that reshuffles each epoch (it draws its seeds at the first read) and a shuffled PyDataset.
 from workers import backend_inputs, record_files  # noqa: E402
 
 INPUTS_WORKER = WORKERS / "backend_inputs.py"
-INPUT_CASES_BY_RANKS = {2: backend_inputs.CASES if ALL else ["files-interleave", "pydataset"],
+INPUT_CASES_BY_RANKS = {2: backend_inputs.CASES if ALL else ["files-list-files-parallel-interleave",
+                                                             "pydataset-shuffled"],
                         3: backend_inputs.CASES}
 
 
