@@ -7,7 +7,7 @@ micro-batches (batch 2: the last global batch of 1 sample leaves rank 1 without 
 refusals, synchronized BatchNormalization (one dense layer, 2 ranks), two of the masked and
 summed losses of tests/workers/real_models.py on 2 ranks, callbacks with saving and loading
 (tests/workers/callbacks_and_saving.py), and a restart from an automatic backup.
-The default slice also trains on an interleave of TFRecord files and a shuffled PyDataset
+The default slice also trains on a parallel interleave of TFRecord files and a shuffled PyDataset
 (tests/workers/backend_inputs.py), and runs the public collectives and a custom loop outside jitted
 code (tests/workers/backend_collectives.py), on 2 ranks.
 TNT_BACKEND_TESTS=1 adds every case on 2 ranks, the uneven cases, the masked, weighted and
