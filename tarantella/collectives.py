@@ -225,6 +225,12 @@ def _leaves(name, values):
     leaves = tf.nest.flatten(values)
     converted = []
     for leaf in leaves:
+        if isinstance(leaf, keras.Variable) and keras.backend.backend() in ("jax", "torch"):
+            # Its value as NumPy (and NumPy comes back), as for a JAX array; inside jitted code a
+            # JAX variable's value is traced, and refused below.
+            leaf = leaf.value
+            if keras.backend.backend() == "torch":
+                leaf = leaf.detach().cpu().numpy()
         if type(leaf).__module__.startswith("jax"):
             leaf = _concrete_jax_array(name, leaf)
         if keras.backend.backend() == "torch" and not isinstance(leaf, (np.ndarray, np.generic, int, float,

@@ -434,7 +434,9 @@ class Model(keras.Model):
         """Keras-on-JAX's and on-torch's fit build an unbuilt model, or its compiled loss and metrics, from the first
         batch of one extra pass over the dataset, and that pass draws a shuffle order of its own. So
         the pass is drawn here and the wrapped model built from the dataset's spec: the epochs then
-        see serial Keras' orders."""
+        see serial Keras' orders. The pass reads its first batch, as Keras' does: some pipelines draw
+        their seeds only then (a shuffled `list_files` under a parallel interleave), and an iterator
+        that reads nothing would leave every later epoch one order behind serial Keras'."""
         wrapped = self._keras_model
         unbuilt = [state for state in (wrapped._compile_metrics, wrapped._compile_loss)
                    if state is not None and not state.built]
@@ -443,7 +445,7 @@ class Model(keras.Model):
         if data.is_torch_data_loader(users_input):
             data.draw_build_pass_of_torch_data_loader(users_input)
         else:
-            iter(dataset)
+            next(iter(dataset), None)
         wrapped._symbolic_build(data_batch=dataset.element_spec)
 
     def _callbacks_for_this_rank(self, user_callbacks):

@@ -3,7 +3,9 @@ TextLineDataset. Rank micro-batches together are exactly the serial global batch
 reads (by offset) exactly the records it trains on. Compressed files and shapes that cannot be
 indexed are read whole by every rank, still split exactly, with one INFO line naming the reason.
 
-Runs in one process: every rank's dataset is built and iterated here.
+Runs in one process: every rank's dataset is built and iterated here. The files and pipelines
+are tests/workers/record_files.py's, which tests/workers/backend_inputs.py trains on under Keras'
+JAX and torch backends.
 """
 
 import gzip
@@ -14,65 +16,23 @@ import tensorflow as tf
 
 from tarantella import data
 
-RECORDS_PER_FILE = [40, 7, 0, 56]  # uneven, one empty: interleave cycles refill at different times
-N = sum(RECORDS_PER_FILE)
-FILES = None
+from workers import record_files
+from workers.record_files import N, READ_WHOLE, parse_record
 
-
-def record_files(suffix=""):
-    return [str(FILES / f"part{part}.tfrecord{suffix}") for part in range(len(RECORDS_PER_FILE))]
-
-
-def text_files():
-    return [str(FILES / f"part{part}.csv") for part in range(2)]
-
-
-def parse_record(record):
-    value = tf.strings.to_number(record, tf.float32)
-    return tf.fill([2], value), tf.cast(value, tf.int64) % 5
-
-
-def parse_line(line):
-    value, label = tf.io.decode_csv(line, [0.0, 0])
-    return tf.fill([2], value), label
+FILES = None  # the folder of the files, written once per module
 
 
 @pytest.fixture(scope="module", autouse=True)
 def files(tmp_path_factory):
     global FILES
     FILES = tmp_path_factory.mktemp("records")
-    first = 0
-    for part, count in enumerate(RECORDS_PER_FILE):
-        for suffix, options in (("", None), (".gz", "GZIP")):
-            with tf.io.TFRecordWriter(str(FILES / f"part{part}.tfrecord{suffix}"), options) as writer:
-                for i in range(first, first + count):
-                    writer.write(str(i).encode())
-        first += count
-    # Windows line ends, a blank-free last line without a newline: read as TextLineDataset reads them
-    (FILES / "part0.csv").write_bytes(b"".join(b"%d,%d\r\n" % (i, i % 3) for i in range(60)))
-    (FILES / "part1.csv").write_bytes(b"\n".join(b"%d,%d" % (i, i % 3) for i in range(60, N)))
+    record_files.write(FILES)
 
 
-# Shapes whose records are indexed: each rank reads only its own.
-INDEXED = {
-    "interleave": lambda: tf.data.Dataset.from_tensor_slices(record_files()).interleave(
-        tf.data.TFRecordDataset, cycle_length=2, block_length=3).map(parse_record).batch(16),
-    "list-files-parallel-interleave": lambda: tf.data.Dataset.list_files(str(FILES / "*.tfrecord"), seed=7).interleave(
-        lambda name: tf.data.TFRecordDataset(name, buffer_size=1024), cycle_length=3, num_parallel_calls=2,
-        deterministic=True).shuffle(30, seed=2).map(parse_record, num_parallel_calls=2).batch(10),
-    "num-parallel-reads": lambda: tf.data.TFRecordDataset(record_files(), num_parallel_reads=3).repeat(2).take(
-        150).map(parse_record).batch(16, drop_remainder=True),
-    "text-lines": lambda: tf.data.TextLineDataset(text_files()).map(parse_line).batch(12),
-}
-# Read whole by every rank (the split maps still run only for a rank's own samples).
-READ_WHOLE = {
-    "gzip-records": lambda: tf.data.TFRecordDataset(record_files(".gz"), compression_type="GZIP").map(
-        parse_record).batch(16),
-    "interleave-then-filter": lambda: tf.data.Dataset.from_tensor_slices(record_files()).interleave(
-        tf.data.TFRecordDataset, cycle_length=2).filter(lambda r: tf.strings.length(r) > 1).map(
-        parse_record).batch(16),
-}
-PIPELINES = {**INDEXED, **READ_WHOLE}
+# The shared pipelines (tests/workers/record_files.py), each reading FILES when called.
+PIPELINES = {name: (lambda build=build: build(FILES)) for name, build in record_files.PIPELINES.items()}
+INDEXED = {name: PIPELINES[name] for name in record_files.INDEXED}
+
 # Samples entering batch() per epoch, where it drops an incomplete last batch (whose samples are still read).
 STREAM = {"num-parallel-reads": 150}
 # Both interleaves share one shape: one runs on 2 ranks, the other on 3, to keep the test fast.
@@ -137,7 +97,7 @@ def test_text_lines_are_read_as_text_line_dataset_reads_them(tmp_path):
 
 
 def interleave_of(reader, **options):
-    return tf.data.Dataset.from_tensor_slices(record_files()).interleave(reader, **options).map(
+    return tf.data.Dataset.from_tensor_slices(record_files.record_files(FILES)).interleave(reader, **options).map(
         parse_record).batch(16)
 
 
@@ -165,5 +125,5 @@ def test_info_lines_say_why_every_rank_reads_every_record(caplog):
 
 def test_gzip_files_exist_as_compressed_bytes():
     """Guards the read-whole cases above: the .gz files really are compressed."""
-    with gzip.open(record_files(".gz")[0]) as compressed:
+    with gzip.open(record_files.record_files(FILES, ".gz")[0]) as compressed:
         assert compressed.read() == (FILES / "part0.tfrecord").read_bytes()

@@ -7,8 +7,12 @@ micro-batches (batch 2: the last global batch of 1 sample leaves rank 1 without 
 refusals, synchronized BatchNormalization (one dense layer, 2 ranks), two of the masked and
 summed losses of tests/workers/real_models.py on 2 ranks, callbacks with saving and loading
 (tests/workers/callbacks_and_saving.py), and a restart from an automatic backup.
+The default slice also trains on a parallel interleave of TFRecord files and a shuffled PyDataset
+(tests/workers/backend_inputs.py), and runs the public collectives and a custom loop outside jitted
+code (tests/workers/backend_collectives.py), on 2 ranks.
 TNT_BACKEND_TESTS=1 adds every case on 2 ranks, the uneven cases, the masked, weighted and
-summed losses and synchronized BatchNormalization (conv nets) on 3 ranks, and the LeNet-5
+summed losses and synchronized BatchNormalization (conv nets) on 3 ranks, every file source,
+PyDataset and NumPy case on 2 and 3 ranks, the collectives on 3 ranks, and the LeNet-5
 example under JAX. Skipped where jax is not
 installed (pip install -e ".[cpu,mpich,test,jax]").
 """
@@ -124,6 +128,8 @@ def test_synchronized_batch_normalization_trains_like_serial_keras_on_jax(ranks,
     ("custom_train_step", "overrides train_step"),
     ("tnt_optimizers", "tnt.optimizers"),
     ("collective_in_jit", "tnt.allreduce cannot run inside jitted code"),
+    ("local_logs", "aggregate_logs=False"),
+    ("predict_steps_per_execution", "predict with steps_per_execution > 1"),
 ])
 def test_features_missing_on_jax_are_refused_on_every_rank(feature, named):
     process = launch(2, WORKERS / "jax_refusals.py", feature, env=JAX, timeout=120)
@@ -191,6 +197,63 @@ def test_callbacks_saving_loading_and_pydataset_on_jax_as_serial_keras(tmp_path)
             if trained in result:  # the loaded files hold the trained weights exactly
                 np.testing.assert_array_equal(result[key], result[trained], err_msg=f"rank {rank}, {key}")
     assert sorted(os.listdir(distributed)) == ["model.keras", "model.weights.h5", "rank0", "rank1"]
+
+
+# -- File sources, PyDatasets and NumPy arrays on JAX (issue 23) ----------------------------------------
+# tests/workers/backend_inputs.py trains on the TFRecord and text-line pipelines of
+# tests/test_file_sources.py (tests/workers/record_files.py), on PyDatasets (unshuffled, with a
+# tnt.keras.callbacks.Callback recording each batch's logs; shuffled) and on NumPy arrays (uneven
+# micro-batches, sample weights, validation_split; ranks left empty), against serial Keras-on-JAX.
+# The default slice runs, on 2 ranks, a parallel interleave of TFRecord files under a list_files shuffle
+# that reshuffles each epoch (it draws its seeds at the first read) and a shuffled PyDataset.
+from workers import backend_inputs, record_files  # noqa: E402
+
+INPUTS_WORKER = WORKERS / "backend_inputs.py"
+INPUT_CASES_BY_RANKS = {2: backend_inputs.CASES if ALL else ["files-list-files-parallel-interleave",
+                                                             "pydataset-shuffled"],
+                        3: backend_inputs.CASES}
+
+
+@pytest.fixture(scope="module")
+def jax_record_files(scratch):
+    folder = scratch / "jax-record-files"
+    folder.mkdir()
+    record_files.write(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def inputs_serial_dir(scratch, jax_record_files):
+    out = scratch / "jax-inputs-serial"
+    out.mkdir()
+    cases = sorted(set(INPUT_CASES_BY_RANKS[2]) | (set(INPUT_CASES_BY_RANKS[3]) if ALL else set()))
+    assert_ok(run_python(INPUTS_WORKER, "--mode", "serial", "--out", out, "--files", jax_record_files,
+                         "--cases", ",".join(cases), env=JAX))
+    return out
+
+
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=needs_all)])
+def test_file_sources_pydatasets_and_arrays_train_like_serial_keras_on_jax(ranks, inputs_serial_dir,
+                                                                           jax_record_files, scratch):
+    out = scratch / f"jax-inputs-ranks{ranks}"
+    out.mkdir()
+    cases = INPUT_CASES_BY_RANKS[ranks]
+    assert_ok(launch(ranks, INPUTS_WORKER, "--mode", "tnt", "--out", out, "--files", jax_record_files,
+                     "--cases", ",".join(cases), env=JAX, timeout=900))
+    assert_ranks_like_serial(inputs_serial_dir, out, cases, ranks, "JAX")
+
+
+# -- Public collectives outside jitted code on JAX (issue 23) -------------------------------------------
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=needs_all)])
+def test_public_collectives_and_a_custom_loop_outside_jitted_code_on_jax(ranks):
+    """tnt.allreduce/broadcast/allgather/barrier on NumPy and JAX arrays against NumPy,
+    broadcast_variables and a metric's summed state on keras.Variables, and a custom loop (jax.grad,
+    gradients summed with tnt.allreduce, a Keras optimizer) against the serial loop
+    (tests/workers/backend_collectives.py; every check raises on a wrong value)."""
+    process = launch(ranks, WORKERS / "backend_collectives.py", env=JAX, timeout=300)
+    assert_ok(process)
+    for rank in range(ranks):
+        assert f"rank {rank}: done" in process.stdout, process.stdout[-3000:]
 
 
 def test_ranks_bound_to_one_core_train_on_jax(tmp_path):

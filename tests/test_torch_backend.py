@@ -7,26 +7,46 @@ the same workers run serially on torch, at test_equivalence.py's tolerances: eve
 (global batch 71) and empty micro-batches (batch 2), a tuple input, LeNet-5, a 1 MiB gradient
 (the ring allreduce), synchronized BatchNormalization (tests/workers/synchronized_batch_norm.py).
 Also: the features the torch step lacks are refused on every rank, and the LeNet-5 example runs
-unchanged on torch. Skipped where torch is not installed; PyPI's torch wheel brings 4 GB of CUDA
+unchanged on torch. tests/workers/backend_inputs.py trains on file sources (the TFRecord and
+text-line pipelines of tests/test_file_sources.py), PyDatasets and NumPy arrays; the public
+collectives run on NumPy arrays and keras.Variables (tests/workers/backend_collectives.py).
+TNT_BACKEND_TESTS=1 runs the whole matrix: every case of tests/workers/train_cases.py that torch
+can run on 2 ranks and the uneven-split ones on 3, and every input case on 2 and 3 ranks.
+Skipped where torch is not installed; PyPI's torch wheel brings 4 GB of CUDA
 libraries, so install the CPU wheel:
 pip install torch --index-url https://download.pytorch.org/whl/cpu
 """
 
 import importlib.util
+import os
 import re
 
 import pytest
 
 from conftest import WORKERS, assert_ok, assert_ranks_like_serial, launch, load_npz, refusals_by_rank, run_python
+from test_equivalence import UNEVEN_SPLIT_CASES
 from test_example import EXAMPLE, SHORT_RUN, accuracy_in, mnist_installed
+from workers.train_cases import CASES as TRAIN_CASE_NAMES
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                                 reason="torch is not installed: pip install torch --index-url "
                                        "https://download.pytorch.org/whl/cpu")
 
 TORCH = {"KERAS_BACKEND": "torch"}
-TRAIN_CASES = {2: ["mlp-adam", "mlp-batch71", "mlp-batch2", "tuple-adam", "wide-mlp-adam"],
-               3: ["mlp-batch71", "mlp-batch2", "lenet5-momentum", "mlp-unseeded-shuffle"]}
+ALL = os.environ.get("TNT_BACKEND_TESTS") == "1"
+needs_all = pytest.mark.skipif(not ALL, reason="the whole torch matrix runs with TNT_BACKEND_TESTS=1")
+
+# The equivalence matrix (tests/workers/train_cases.py). Keras-on-torch refuses steps_per_execution > 1,
+# serially too ("`steps_per_execution` must be 1 with the PyTorch backend"), so mlp-steps-per-execution is
+# the one case torch cannot run. By default: 5 cases on 2 ranks, 4 on 3; TNT_BACKEND_TESTS=1: every other
+# case on 2 ranks, and on 3 ranks also the uneven-split ones of tests/test_equivalence.py.
+TORCH_TRAIN_CASES = [case for case in TRAIN_CASE_NAMES if case != "mlp-steps-per-execution"]
+DEFAULT_TRAIN_CASES = {2: ["mlp-adam", "mlp-batch71", "mlp-batch2", "tuple-adam", "wide-mlp-adam"],
+                       3: ["mlp-batch71", "mlp-batch2", "lenet5-momentum", "mlp-unseeded-shuffle"]}
+TRAIN_CASES = DEFAULT_TRAIN_CASES if not ALL else {
+    2: TORCH_TRAIN_CASES,
+    3: DEFAULT_TRAIN_CASES[3] + [case for case in UNEVEN_SPLIT_CASES
+                                 if case in TORCH_TRAIN_CASES and case not in DEFAULT_TRAIN_CASES[3]]}
 LOSS_CASES = ["ignore-class", "mask-zero", "summed-loss", "weighted-mean", "sample-weights"]
 API_CASES = ["on-batch", "save-load", "callbacks"]  # the master writes; every rank loads
 # Synchronized BatchNormalization (tnt.Model(..., synchronized_batch_normalization=True)) against serial
@@ -117,3 +137,62 @@ def test_each_rank_gets_its_share_of_the_cores_for_torch(tmp_path):
     assert_ok(process)
     assert sorted(re.findall(r"rank (\d) torch threads (\d+)", process.stdout)) == [("0", "3"), ("1", "3")], \
         process.stdout[-2000:]
+
+
+# -- File sources, PyDatasets and NumPy arrays on torch (issue 23) --------------------------------------
+# tests/workers/backend_inputs.py trains on the TFRecord and text-line pipelines of
+# tests/test_file_sources.py (tests/workers/record_files.py), on PyDatasets (unshuffled, with a
+# tnt.keras.callbacks.Callback recording each batch's logs; shuffled) and on NumPy arrays (uneven
+# micro-batches, sample weights, validation_split; ranks left empty), against serial Keras-on-torch.
+from workers import backend_inputs, record_files  # noqa: E402
+
+INPUTS_WORKER = WORKERS / "backend_inputs.py"
+# By default: an interleave of TFRecord files, text lines and both PyDatasets on 2 ranks; on 3, the
+# list_files shuffle that reshuffles each epoch (it draws its seeds at the first read) and the shuffled
+# PyDataset. TNT_BACKEND_TESTS=1: every case on 2 and 3 ranks.
+INPUT_CASES_BY_RANKS = {2: ["files-interleave", "files-text-lines", "pydataset", "pydataset-shuffled"],
+                        3: ["files-list-files-parallel-interleave", "pydataset-shuffled"]}
+if ALL:
+    INPUT_CASES_BY_RANKS = {2: backend_inputs.CASES, 3: backend_inputs.CASES}
+
+
+@pytest.fixture(scope="module")
+def torch_record_files(scratch):
+    folder = scratch / "torch-record-files"
+    folder.mkdir()
+    record_files.write(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def inputs_serial_dir(scratch, torch_record_files):
+    out = scratch / "torch-inputs-serial"
+    out.mkdir()
+    cases = sorted(set(INPUT_CASES_BY_RANKS[2]) | set(INPUT_CASES_BY_RANKS[3]))
+    assert_ok(run_python(INPUTS_WORKER, "--mode", "serial", "--out", out, "--files", torch_record_files,
+                         "--cases", ",".join(cases), env=TORCH))
+    return out
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_file_sources_pydatasets_and_arrays_train_like_serial_keras_on_torch(ranks, inputs_serial_dir,
+                                                                             torch_record_files, scratch):
+    out = scratch / f"torch-inputs-ranks{ranks}"
+    out.mkdir()
+    cases = INPUT_CASES_BY_RANKS[ranks]
+    assert_ok(launch(ranks, INPUTS_WORKER, "--mode", "tnt", "--out", out, "--files", torch_record_files,
+                     "--cases", ",".join(cases), env=TORCH, timeout=900))
+    assert_ranks_like_serial(inputs_serial_dir, out, cases, ranks, "torch")
+
+
+# -- Public collectives outside the step on torch (issue 23) --------------------------------------------
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=needs_all)])
+def test_public_collectives_and_a_custom_loop_outside_the_step_on_torch(ranks):
+    """tnt.allreduce/broadcast/allgather/barrier on NumPy arrays against NumPy, broadcast_variables and
+    a metric's summed state on keras.Variables, and a custom loop (backward(), gradients summed with
+    tnt.allreduce, a Keras optimizer) against the serial loop (tests/workers/backend_collectives.py;
+    every check raises on a wrong value)."""
+    process = launch(ranks, WORKERS / "backend_collectives.py", env=TORCH, timeout=300)
+    assert_ok(process)
+    for rank in range(ranks):
+        assert f"rank {rank}: done" in process.stdout, process.stdout[-3000:]

@@ -31,7 +31,25 @@ def collective_in_jit():
     jax.jit(lambda v: tnt.allreduce(v))(jnp.ones(3))
 
 
-FEATURES = {f.__name__: f for f in (custom_train_step, tnt_optimizers, collective_in_jit)}
+def local_logs():
+    import numpy as np
+
+    model = tnt.Model(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+    model.compile("sgd", "mse")
+    model.fit(np.ones((8, 4), "float32"), np.ones((8, 2), "float32"), batch_size=4, verbose=0,
+              callbacks=[tnt.keras.callbacks.Callback(keras.callbacks.Callback(), aggregate_logs=False)])
+
+
+def predict_steps_per_execution():
+    import numpy as np
+
+    model = tnt.Model(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+    model.compile("sgd", "mse", steps_per_execution=2)
+    model.predict(np.ones((8, 4), "float32"), batch_size=4, verbose=0)
+
+
+FEATURES = {f.__name__: f for f in (custom_train_step, tnt_optimizers, collective_in_jit, local_logs,
+                                    predict_steps_per_execution)}
 
 if __name__ == "__main__":
     # A refusing rank ends normally, so that no rank's failure stops the others before they print.
