@@ -6,8 +6,10 @@ train_on_batch, saving and loading, ModelCheckpoint and EarlyStopping) with KERA
 the same workers run serially on torch, at test_equivalence.py's tolerances: even, uneven
 (global batch 71) and empty micro-batches (batch 2), a tuple input, LeNet-5, a 1 MiB gradient
 (the ring allreduce), synchronized BatchNormalization (tests/workers/synchronized_batch_norm.py).
-Also: the features the torch step lacks are refused on every rank, and the LeNet-5 example runs
-unchanged on torch. Skipped where torch is not installed; PyPI's torch wheel brings 4 GB of CUDA
+Also: the features the torch step lacks are refused on every rank, the LeNet-5 example runs
+unchanged on torch, and so does tests/test_zoo.py's torch slice of the conformance zoo (real model
+families against serial Keras-on-torch; TNT_ZOO_CASES=all TNT_ZOO_BACKEND=torch python -m pytest
+tests/test_zoo.py runs the whole zoo on torch). Skipped where torch is not installed; PyPI's torch wheel brings 4 GB of CUDA
 libraries, so install the CPU wheel:
 pip install torch --index-url https://download.pytorch.org/whl/cpu
 """
@@ -19,6 +21,8 @@ import pytest
 
 from conftest import WORKERS, assert_ok, assert_ranks_like_serial, launch, load_npz, refusals_by_rank, run_python
 from test_example import EXAMPLE, SHORT_RUN, accuracy_in, mnist_installed
+import test_zoo
+from test_zoo import zoo_runs  # noqa: F401 (a fixture: the zoo's runs, serial and on the ranks)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                                 reason="torch is not installed: pip install torch --index-url "
@@ -117,3 +121,10 @@ def test_each_rank_gets_its_share_of_the_cores_for_torch(tmp_path):
     assert_ok(process)
     assert sorted(re.findall(r"rank (\d) torch threads (\d+)", process.stdout)) == [("0", "3"), ("1", "3")], \
         process.stdout[-2000:]
+
+
+@pytest.mark.parametrize("backend,case,ranks", list(test_zoo.parameters(["torch"])))
+def test_zoo_slice_trains_like_serial_keras_on_torch(backend, case, ranks, zoo_runs):
+    """tests/test_zoo.py's torch slice (TNT_ZOO_BACKEND=torch with TNT_ZOO_CASES chooses others): the
+    zoo's worker on torch, serially and on the ranks; the overridden train_step is refused."""
+    test_zoo.check(backend, case, ranks, zoo_runs)
