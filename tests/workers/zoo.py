@@ -139,8 +139,10 @@ def freeze_batch_normalization(keras, model):
            "channel 343 of every conv4 output bias, as when one ReLU or max-pool tie flips), predictions 5.5e-5 "
            "relative; serial Keras alone: 1.5e-8 between thread counts, 1e-6 relative between a batch's "
            "gradient and the sum of its halves'. On JAX (2 ranks): 7.4e-5 in the weights, again on single "
-           "channels (3 of the 2048 conv5 biases beyond 1e-5), predictions 4.7e-5 apart, 1.6e-4 relative",
-      backend_tolerance={"jax": {"logs": 3e-4}})
+           "channels (3 of the 2048 conv5 biases beyond 1e-5), predictions 4.7e-5 apart, 1.6e-4 relative. On "
+           "torch (2 ranks): 8e-5 in the weights (10 of those biases beyond 1e-5), predictions 1.3e-4 apart, "
+           "4.6e-4 relative",
+      backend_tolerance={"jax": {"logs": 3e-4}, "torch": {"logs": 1e-3}})
 def _resnet50v2(keras, np, rng):
     backbone = keras.applications.ResNet50V2(include_top=False, weights=None, input_shape=(32, 32, 3),
                                              pooling="avg")
@@ -254,7 +256,9 @@ def _transformer_classifier(keras, np, rng):
 
 @case("transformer-dropout-measured", ranks=(2,), save_load=False, tolerance={"weights": 0.6, "logs": 0.3},
       note="Dropout draws its masks per micro-batch; measured on 2 ranks: weights and Adam state 0.28 apart, "
-           "logs 0.11 relative; the bound is about twice that")
+           "logs 0.11 relative; the bound is about twice that. On torch (2 ranks): 0.65 apart (an Adam "
+           "state), the first epoch's accuracy 0.54 against serial's 0.41 (0.33 relative); bound twice that",
+      backend_tolerance={"torch": {"weights": 1.3, "logs": 0.7}})
 def _transformer_dropout(keras, np, rng):
     tokens = token_sequences(np, rng, SAMPLES + VALIDATION_SAMPLES, 20, 100)
     return classification(keras, np, rng, tokens, 2, transformer_classifier(keras, 20, 100, 16, rate=0.1),
@@ -630,8 +634,9 @@ def _preprocessing(keras, np, rng):
 
 
 @case("textvectorization-into-embedding",
-      not_on={"jax": "a string input cannot be a JAX array: serial Keras-on-JAX's fit raises ValueError: "
-                     "Invalid dtype: object (on JAX, TextVectorization belongs in the tf.data pipeline)"})
+      not_on={backend: f"a string input cannot be a {name} array: serial Keras-on-{name}'s fit raises "
+                       f"ValueError: Invalid dtype: object (there, TextVectorization belongs in the tf.data pipeline)"
+              for backend, name in (("jax", "JAX"), ("torch", "torch"))})
 def _text_vectorization(keras, np, rng):
     layers = keras.layers
     words = np.array(["alpha", "beta", "gamma", "delta", "kappa", "omega", "sigma", "theta", "zeta", "eta"])
