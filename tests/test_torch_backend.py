@@ -6,13 +6,15 @@ train_on_batch, saving and loading, ModelCheckpoint and EarlyStopping) with KERA
 the same workers run serially on torch, at test_equivalence.py's tolerances: even, uneven
 (global batch 71) and empty micro-batches (batch 2), a tuple input, LeNet-5, a 1 MiB gradient
 (the ring allreduce), synchronized BatchNormalization (tests/workers/synchronized_batch_norm.py).
-Also: the features the torch step lacks are refused on every rank, and the LeNet-5 example runs
-unchanged on torch. tests/workers/backend_inputs.py trains on file sources (the TFRecord and
-text-line pipelines of tests/test_file_sources.py), PyDatasets and NumPy arrays; the public
-collectives run on NumPy arrays and keras.Variables (tests/workers/backend_collectives.py).
-TNT_BACKEND_TESTS=1 runs the whole matrix: every case of tests/workers/train_cases.py that torch
-can run on 2 ranks and the uneven-split ones on 3, and every input case on 2 and 3 ranks.
-Skipped where torch is not installed; PyPI's torch wheel brings 4 GB of CUDA
+Also: the features the torch step lacks are refused on every rank, the LeNet-5 example runs
+unchanged on torch, and so does tests/test_zoo.py's torch slice of the conformance zoo (real model
+families against serial Keras-on-torch; TNT_ZOO_CASES=all TNT_ZOO_BACKEND=torch python -m pytest
+tests/test_zoo.py runs the whole zoo on torch). tests/workers/backend_inputs.py trains on file
+sources (the TFRecord and text-line pipelines of tests/test_file_sources.py), PyDatasets and NumPy
+arrays; the public collectives run on NumPy arrays and keras.Variables
+(tests/workers/backend_collectives.py). TNT_BACKEND_TESTS=1 runs the whole matrix: every case of
+tests/workers/train_cases.py that torch can run on 2 ranks and the uneven-split ones on 3, and every
+input case on 2 and 3 ranks. Skipped where torch is not installed; PyPI's torch wheel brings 4 GB of CUDA
 libraries, so install the CPU wheel:
 pip install torch --index-url https://download.pytorch.org/whl/cpu
 """
@@ -27,6 +29,8 @@ from conftest import WORKERS, assert_ok, assert_ranks_like_serial, launch, load_
 from test_equivalence import UNEVEN_SPLIT_CASES
 from test_example import EXAMPLE, SHORT_RUN, accuracy_in, mnist_installed
 from workers.train_cases import CASES as TRAIN_CASE_NAMES
+import test_zoo
+from test_zoo import zoo_runs  # noqa: F401 (a fixture: the zoo's runs, serial and on the ranks)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                                 reason="torch is not installed: pip install torch --index-url "
@@ -196,3 +200,10 @@ def test_public_collectives_and_a_custom_loop_outside_the_step_on_torch(ranks):
     assert_ok(process)
     for rank in range(ranks):
         assert f"rank {rank}: done" in process.stdout, process.stdout[-3000:]
+
+
+@pytest.mark.parametrize("backend,case,ranks", list(test_zoo.parameters(["torch"])))
+def test_zoo_slice_trains_like_serial_keras_on_torch(backend, case, ranks, zoo_runs):
+    """tests/test_zoo.py's torch slice (TNT_ZOO_BACKEND=torch with TNT_ZOO_CASES chooses others): the
+    zoo's worker on torch, serially and on the ranks; the overridden train_step is refused."""
+    test_zoo.check(backend, case, ranks, zoo_runs)
