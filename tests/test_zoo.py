@@ -133,11 +133,12 @@ DEFAULT_CASES = {
         "batch-then-map-drop-remainder", "batch-then-padded-batch-map-drop-remainder",
         "distiller-train-step-without-call",
     ),
-    # JAX's and torch's, on 2 ranks: a masked Transformer, a subclassed model, an empty micro-batch,
-    # the on-batch methods, a tf.data pipeline transformed after batch() with add_loss, and the
-    # refused overridden train_step. tests/test_jax_backend.py and tests/test_torch_backend.py
-    # cover the rest of the equivalence matrix on these backends.
-    "jax": (  # on-batch methods and the subclassed recommender: torch's slice, and the whole JAX zoo
+    # JAX's and torch's, on 2 ranks: a masked Transformer, an empty micro-batch, a tf.data pipeline
+    # transformed after batch() with add_loss, and the refused overridden train_step; torch's also a
+    # subclassed model and the on-batch methods (JAX's run only in the whole JAX zoo: the default
+    # run's time). tests/test_jax_backend.py and tests/test_torch_backend.py cover the rest of the
+    # equivalence matrix on these backends.
+    "jax": (
         "transformer-encoder-classifier", "conv2d-empty-micro-batch",
         "batch-then-padded-batch-map-drop-remainder", "distiller-train-step-without-call",
     ),
