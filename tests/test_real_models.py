@@ -33,6 +33,13 @@ def serial_dir(scratch):
     return out
 
 
+# Measured bounds of cases whose predictions amplify rounding: synchronized BatchNormalization on
+# inputs whose mean (30) is large against their spread, on 3 ranks of one thread each against a
+# serial run on two: predictions 1.6e-5 relative apart (3.2e-6 absolute) with Keras 3.15.1, on
+# this code and on 47fbdf4 alike, while every weight stays within 4e-7 of serial Keras'.
+PREDICTION_RTOL = {"synchronized-batch-normalization": 5e-5}
+
+
 @pytest.mark.parametrize("ranks", [2, 3])  # one rank runs plain Keras: the examples' tests cover it
 def test_real_models_and_custom_steps_train_like_serial_keras(ranks, serial_dir, scratch):
     out = scratch / f"real-ranks{ranks}"
@@ -54,7 +61,8 @@ def test_real_models_and_custom_steps_train_like_serial_keras(ranks, serial_dir,
                         np.testing.assert_allclose(result[key], serial[key], rtol=0, atol=1e-5)
                         np.testing.assert_array_equal(result[key], per_rank[0][key])
                     elif key == "predictions":
-                        np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-6)
+                        rtol = PREDICTION_RTOL.get(case, 1e-5)
+                        np.testing.assert_allclose(result[key], serial[key], rtol=rtol, atol=1e-6)
                     else:
                         np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-7)
                 except AssertionError as error:
