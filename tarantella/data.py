@@ -658,10 +658,12 @@ class EpochOrder(keras.callbacks.Callback):
     fit starts at a later epoch k (initial_epoch, or BackupAndRestore resuming).
 
     A shuffle with reshuffle_each_iteration draws each new iterator's order from a seed
-    generator, so an epoch's order depends on how many iterators fit created before it. Before
-    epoch k, the dataset therefore creates as many iterators as an uninterrupted fit would have,
-    and drops them (creating one draws its seeds and reads no data). A PyDataset's batch order
-    is drawn from the epoch number itself."""
+    generator, so an epoch's order depends on how many iterators fit created before it, and on
+    how many of them were read: most pipelines draw their seeds when an iterator is made, but
+    some only at its first read (a shuffled list_files under a parallel interleave). Before
+    epoch k, the dataset therefore makes the iterators an uninterrupted fit would have made,
+    reads one batch from each that fit read, and drops them. A PyDataset's batch order is drawn
+    from the epoch number itself."""
 
     def __init__(self):
         super().__init__()
@@ -678,8 +680,11 @@ class EpochOrder(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
         if not self._started and self._dataset is not None:
-            for _ in range(keras_iterators_before(epoch, int(self._dataset.cardinality()) >= 0)):
-                iter(self._dataset)
+            per_epoch = keras_iterators_before(1, int(self._dataset.cardinality()) >= 0)
+            for _ in range(epoch):
+                next(iter(self._dataset), None)  # the epoch's own iterator
+                for _ in range(per_epoch - 1):
+                    iter(self._dataset)  # Keras' unused one
         self._started = True
 
 

@@ -116,7 +116,7 @@ def test_backup_and_restore_resumes_every_rank_at_the_failed_epoch_in_its_sample
     # Two ranks only: the order of the resumed epoch does not depend on the rank count.
     results, _ = run("backup_and_restore", tmp_path, ranks=2)
     for rank, by_kind in enumerate(results):
-        assert sorted(by_kind) == ["arrays-shuffled", "dataset-reshuffled", "pydataset-shuffled"]
+        assert sorted(by_kind) == ["arrays-shuffled", "dataset-reshuffled", "files-reshuffled", "pydataset-shuffled"]
         for kind, result in by_kind.items():
             assert result["backup_files"] == ["latest.weights.h5", "training_metadata.json"], kind
             assert result["epochs_run_after_restore"] == 1, kind  # epoch 3 of 3
