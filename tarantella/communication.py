@@ -109,16 +109,12 @@ class _BucketRound:
         if isinstance(bucket, tuple):  # TensorFlow may share a sparse gradient's values: a new array
             indices, values = bucket
             return indices, values * values.dtype.type(self._rescale)
-        if isinstance(bucket, _SumInto):  # its input may be read-only: rescaled into its output
-            np.multiply(bucket.array, bucket.out.dtype.type(self._rescale), out=bucket.out)
-            return bucket.out
         bucket *= bucket.dtype.type(self._rescale)  # a dense bucket's buffer is the round's own
         return bucket
 
     def deposit(self, index, array):
-        written = array.out if isinstance(array, _SumInto) else array
-        if isinstance(written, np.ndarray) and written.nbytes:
-            address = written.__array_interface__["data"][0]
+        if isinstance(array, np.ndarray) and array.nbytes:
+            address = array.__array_interface__["data"][0]
             earlier = self._buffers.setdefault(address, index)
             if earlier != index:
                 # Summed in place twice, the gradients would be wrong; stop instead.
@@ -399,13 +395,11 @@ class Communicator:
 
     # -- gradient buckets (called from TensorFlow ops) ---------------------------
 
-    def submit_bucket(self, index, count, array, agreed=False, opening=None, into=None):
+    def submit_bucket(self, index, count, array, agreed=False, opening=None):
         """Hands over bucket `index` of `count`; returns at once.
 
-        An array is summed over ranks in place, or, with `into` (a writable array of its size
-        and dtype), into `into`, leaving `array` unread after the sum and unwritten (it may be
-        read-only); a tuple (indices, values) of a sparse gradient is replaced by the
-        concatenation of every rank's, in rank order. With `agreed`, the opening of the step
+        An array is summed over ranks in place; a tuple (indices, values) of a sparse gradient
+        is replaced by the concatenation of every rank's, in rank order. With `agreed`, the opening of the step
         agreed on this round.
 
         With `opening` (sequence, samples, divisor), the round opens its step: its first
@@ -429,7 +423,7 @@ class Communicator:
             step_round = self._round
         if timeline.recorder is not None:
             timeline.recorder.handed_over(index)
-        step_round.deposit(index, array if into is None else _SumInto(array, into))
+        step_round.deposit(index, array)
 
     def _open_round(self, what, sequence, samples):
         """The agreement and sum of micro-batch sizes a gradient round opens its step with."""
@@ -447,9 +441,6 @@ class Communicator:
             self.leave()
 
     def _reduce_bucket(self, bucket):
-        if isinstance(bucket, _SumInto):
-            self._allreduce_bucket(bucket.array, out=bucket.out)
-            return bucket.out
         if isinstance(bucket, tuple):
             return self._reduce_sparse(*bucket)
         self._allreduce_bucket(bucket)
@@ -483,31 +474,24 @@ class Communicator:
                              [gathered.reshape(-1).view(np.uint8), [n * row_bytes for n in counts]])
         return gathered
 
-    def _allreduce_bucket(self, array, out=None):
-        """Sums `array` over all ranks in place, or into `out` (runs on the worker)."""
+    def _allreduce_bucket(self, array):
+        """Sums `array` over all ranks in place (runs on the worker)."""
         MPI = mpi()
-        if out is None:
-            out, send = array, MPI.IN_PLACE
-        else:
-            send = array
         if array.nbytes < _RING_MIN_BYTES or not self._ring_allreduce or self.size == 1:
-            self._mpi.Allreduce(send, out, op=MPI.SUM)
+            self._mpi.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
             return
         # Ring allreduce: MPI moves the data, numpy adds. Measured on 2 ranks, 40 MB:
         # 7.8 ms against 16.3 ms for MPICH's Allreduce, whose summation loop is the bottleneck.
-        # Out of place, the first step sends from `array` and each addition writes into `out`, so
-        # `array` is read once and never copied; in place, `array` is both.
-        mine, chunks = np.array_split(array.reshape(-1), self.size), np.array_split(out.reshape(-1), self.size)
+        chunks = np.array_split(array.reshape(-1), self.size)
         if self._scratch.nbytes < chunks[0].nbytes:
             self._scratch = np.empty(chunks[0].nbytes, np.uint8)
         right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         for step in range(self.size - 1):  # reduce-scatter: chunk i ends complete on rank i-1
-            sending = (self.rank - step) % self.size
-            arriving = (self.rank - step - 1) % self.size
-            incoming = self._scratch[:chunks[arriving].nbytes].view(array.dtype)
-            self._mpi.Sendrecv(mine[sending] if step == 0 else chunks[sending], dest=right,
+            arriving = chunks[(self.rank - step - 1) % self.size]
+            incoming = self._scratch[:arriving.nbytes].view(arriving.dtype)
+            self._mpi.Sendrecv(chunks[(self.rank - step) % self.size], dest=right,
                                recvbuf=incoming, source=left)
-            np.add(mine[arriving], incoming, out=chunks[arriving])
+            np.add(arriving, incoming, out=arriving)
         for step in range(self.size - 1):  # allgather the complete chunks: identical bits everywhere
             self._mpi.Sendrecv(chunks[(self.rank + 1 - step) % self.size], dest=right,
                                recvbuf=chunks[(self.rank - step) % self.size], source=left)
@@ -527,18 +511,6 @@ class Communicator:
         self._steps_reduced += 1
         self.global_samples = step_round.global_samples
         return step_round.arrays
-
-
-class _SumInto:
-    """A bucket summed over ranks out of place: `array` (possibly read-only) into `out`."""
-    __slots__ = ("array", "out")
-
-    def __init__(self, array, out):
-        self.array, self.out = array, out
-
-    @property
-    def nbytes(self):
-        return self.out.nbytes
 
 
 _SAVE_HINT = (" If only the master calls save (`if tnt.is_master_rank(): model.save(...)`): call save on "

@@ -10,8 +10,9 @@ from the wrapped model's stateless parts (`compute_loss_and_updates`, the optimi
 2. gradients: each rank differentiates its loss times its share m/B, and the gradients are
    summed over ranks in fused buckets (the plan of gradients.py, last layer first). A gradient
    that alone reaches the fusion threshold is its own bucket, handed over unconcatenated. The
-   sum is a `buffer_callback`: the worker reads each bucket where XLA holds it and writes the
-   sum straight into XLA's output buffer, so no bucket is copied on its way in or out;
+   sum is a `buffer_callback` whose outputs alias its inputs: the worker sums each bucket in
+   place, in the very buffer XLA computed it in, so nothing is copied in or out and no fresh
+   output buffer is allocated;
 3. metrics: every metric variable starts the step at zero; the increments of all ranks are
    summed and added to the state the metric had. Keras feeds its loss tracker the
    micro-batch's loss weighted by m, so the summed tracker holds the serial mean loss.
@@ -35,11 +36,14 @@ issues every collective of the process in one fixed order, so every rank issues 
 collectives in the same order.
 
 The gradient sum runs after the whole backprop: it does not overlap with it as TensorFlow's and
-PyTorch's buckets do. It used to be an `io_callback`, whose arguments JAX copies in with a
-`device_put` and whose results it copies out: for the MLP of benchmarks/scaling.py (40 MB of
-gradients) that cost the step more than the ring allreduce itself, and on a rank bound to a
-single core the `device_put` of a large bucket waited for XLA's only thread, the one blocked
-in the callback: the job hung (tests/test_jax_backend.py runs such a job).
+PyTorch's buckets do. A hand-over per bucket as XLA computes it, with one last callback waiting
+for the round, measured no faster on 2 ranks sharing 2 cores (0.98-1.02 of this step, MLP) and
+would rely on XLA never copying a buffer while the worker still writes it: not done. Two earlier forms cost more than the ring allreduce itself, for the MLP
+of benchmarks/scaling.py (40 MB of gradients): an `io_callback`, which JAX copies its arguments
+into with a `device_put` (on a rank bound to a single core that copy waited for XLA's only
+thread, the one blocked in the callback: the job hung, tests/test_jax_backend.py runs such a
+job) and its results out of; then a `buffer_callback` writing into fresh output buffers, whose
+pages the kernel zeroes and faults in anew each step.
 
 Predictions are gathered outside the jitted step (`wrap_predict_function`): the size of the
 global batch is not known to the trace, and a gather needs it for its result's shape.
@@ -284,12 +288,13 @@ class JaxStep:
         if not contributes:
             buckets = [jnp.zeros_like(b) for b in buckets]
         sequence.append("a gradient allreduce of buckets " + ", ".join(f"{b.dtype}[{b.size}]" for b in buckets))
-        # In place on XLA's own buffers: an io_callback would copy every bucket in (a device_put
-        # that, on a rank bound to one core, waits for the very thread the callback blocks) and
-        # every sum out again.
-        summed = buffer_callback(functools.partial(self._reduce_buckets, len(buckets)),
-                                 [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buckets],
-                                 has_side_effect=True)(*buckets, *waited_for)
+        # Each bucket is summed in place, in the buffer XLA computed it in (aliased from the
+        # callback's input to its output): the worker reads and writes it there, so no bucket is
+        # copied and no fresh output buffer is faulted in (for the MLP of benchmarks/scaling.py,
+        # faulting in 40 MB of output each step cost more than its ring allreduce).
+        summed = buffer_callback(self._sum_in_place, [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buckets],
+                                 has_side_effect=True, input_output_aliases={i: i for i in range(len(buckets))}
+                                 )(*buckets, *waited_for)
         result = list(grads)
         for bucket, total in zip(members, summed):
             if len(bucket) == 1:
@@ -302,13 +307,11 @@ class JaxStep:
                 offset += wire[i].size
         return result, jnp.ravel(summed[0])[:1]
 
-    def _reduce_buckets(self, count, context, sums, *buckets_and_unread):
-        """Sums each of the first `count` buckets over ranks into its output buffer. Both are
-        XLA's buffers, valid while this runs: the worker reads the bucket where it lies and
-        writes the sum in place."""
-        for index, (bucket, total) in enumerate(zip(buckets_and_unread[:count], sums)):
-            self._comm.submit_bucket(index, count, np.asarray(bucket).reshape(-1), agreed=True,
-                                     into=np.asarray(total).reshape(-1))
+    def _sum_in_place(self, context, sums, *buckets_and_unread):
+        """Sums every bucket over ranks where it lies: each of `sums` is XLA's buffer of its
+        bucket, valid while this runs."""
+        for index, total in enumerate(sums):
+            self._comm.submit_bucket(index, len(sums), np.asarray(total).reshape(-1), agreed=True)
         self._comm.collect_buckets()
 
     def _add_global_increments(self, sequence, metric_state, increments, contributes, after=None):
