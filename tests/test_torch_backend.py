@@ -202,17 +202,6 @@ def test_public_collectives_and_a_custom_loop_outside_the_step_on_torch(ranks):
         assert f"rank {rank}: done" in process.stdout, process.stdout[-3000:]
 
 
-def _torch_is_a_cuda_build():
-    import torch
-    return torch.version.cuda is not None
-
-
-# Measured 2026-11-26 from a clean clone with PyPI's torch (the CUDA build CI installs): the zoo's
-# serial worker, which imports TensorFlow and torch in one process, ended with SIGSEGV (exit -11)
-# in every case; with PyTorch's CPU wheel the slice passes. Not yet understood.
-@pytest.mark.skipif(importlib.util.find_spec("torch") is not None and _torch_is_a_cuda_build(),
-                    reason="the zoo's serial worker crashes (SIGSEGV) with PyPI's CUDA build of torch beside "
-                           "TensorFlow; install the CPU wheel (README) to run this slice")
 @pytest.mark.parametrize("backend,case,ranks", list(test_zoo.parameters(["torch"])))
 def test_zoo_slice_trains_like_serial_keras_on_torch(backend, case, ranks, zoo_runs):
     """tests/test_zoo.py's torch slice (TNT_ZOO_BACKEND=torch with TNT_ZOO_CASES chooses others): the

@@ -1166,6 +1166,10 @@ def main():
     if args.mode == "tnt":
         import tarantella as tnt  # before TensorFlow runs, as users should
         rank, size = tnt.get_rank(), tnt.get_size()
+    # Keras (its backend) before TensorFlow, as tnt mode does through tarantella: TensorFlow loads its
+    # LLVM with RTLD_GLOBAL, and on torch the triton that PyPI's CUDA build installs, loaded after it,
+    # binds its own LLVM's symbols to TensorFlow's and crashes (SIGSEGV) in its static initializers.
+    import keras  # noqa: F401
     import numpy as np
     import tensorflow as tf
 
