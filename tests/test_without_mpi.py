@@ -1,6 +1,7 @@
 """A serial `python train.py` runs without MPI (size 1); a rank of a launched job without MPI fails clearly."""
 
 import json
+import re
 
 from conftest import WORKERS, assert_ok, launch, run_python
 
@@ -29,8 +30,12 @@ def test_ranks_of_a_launched_job_without_an_mpi_library_fail_with_the_clear_erro
     process = launch(2, WORKER, tmp_path / "result.json", env={"MPI4PY_LIBMPI": "/nonexistent/libmpi.so"},
                      timeout=300)
     assert process.returncode != 0
-    assert process.stderr.count("ImportError: tarantella found no MPI (cannot load MPI library), but this process "
-                                "was started as a rank of a parallel job. Install MPI for it: pip install "
-                                "'tarantella[mpich]'") == 2, process.stderr
+    clear = ("ImportError: tarantella found no MPI (cannot load MPI library), but this process was started as a "
+             "rank of a parallel job. Install MPI for it: pip install 'tarantella[mpich]'")
+    # Each rank that gets as far as importing tarantella says so; MPICH's launcher ends the other rank as
+    # soon as one exits with an error, so on a loaded machine the slower one may be killed while it still
+    # imports TensorFlow, before it prints (seen once in a CI-like run, 2026-11-26).
+    errors = [line for line in process.stderr.splitlines() if re.match(r"\w+Error: ", line)]
+    assert 1 <= len(errors) <= 2 and all(line.startswith(clear) for line in errors), process.stderr
     assert process.stderr.strip().splitlines()[-1].startswith("tarantella: the job failed (exit status 1): rank ")
     assert not (tmp_path / "result.json").exists()
