@@ -12,8 +12,8 @@ The default slice also trains on a parallel interleave of TFRecord files and a s
 code (tests/workers/backend_collectives.py), on 2 ranks.
 TNT_BACKEND_TESTS=1 adds every case on 2 ranks, the uneven cases, the masked, weighted and
 summed losses and synchronized BatchNormalization (conv nets) on 3 ranks, every file source,
-PyDataset and NumPy case on 2 and 3 ranks, the collectives on 3 ranks, and the LeNet-5
-example under JAX. Skipped where jax is not
+PyDataset and NumPy case on 2 and 3 ranks, the collectives on 3 ranks, a rank killed mid-epoch
+and the job restarted, and the LeNet-5 example under JAX. Skipped where jax is not
 installed (pip install -e ".[cpu,mpich,test,jax]").
 """
 
@@ -161,6 +161,7 @@ def test_lenet5_example_runs_unchanged_on_jax():
     assert abs(accuracy_in(serial.stdout) - accuracy_in(distributed.stdout)) <= 0.003
 
 
+@needs_all  # 25-35 s; the default run's restarts are TensorFlow's (tests/test_restarts.py)
 def test_a_rank_killed_mid_epoch_resumes_on_jax_with_the_uninterrupted_weights(tmp_path):
     """Automatic backups read Keras-on-JAX's state mid-epoch, and the restarted fit skips the
     steps before the backup without training them (tests/test_restarts.py, on TensorFlow)."""
