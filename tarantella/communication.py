@@ -399,8 +399,8 @@ class Communicator:
         """Hands over bucket `index` of `count`; returns at once.
 
         An array is summed over ranks in place; a tuple (indices, values) of a sparse gradient
-        is replaced by the concatenation of every rank's, in rank order. With `agreed`, the opening of the step
-        agreed on this round.
+        is replaced by the concatenation of every rank's, in rank order. With `agreed`, the
+        opening of the step agreed on this round.
 
         With `opening` (sequence, samples, divisor), the round opens its step: its first
         message agrees on the step's `sequence` of collectives (a string) and sums the

@@ -660,7 +660,7 @@ class EpochOrder(keras.callbacks.Callback):
     A shuffle with reshuffle_each_iteration draws each new iterator's order from a seed
     generator, so an epoch's order depends on how many iterators fit created before it, and on
     how many of them were read: most pipelines draw their seeds when an iterator is made, but
-    some only at its first read (a shuffled list_files under a parallel interleave). Before
+    some only at its first read (a seeded list_files followed by a seeded shuffle). Before
     epoch k, the dataset therefore makes the iterators an uninterrupted fit would have made,
     reads one batch from each that fit read, and drops them. A PyDataset's batch order is drawn
     from the epoch number itself."""
@@ -680,7 +680,7 @@ class EpochOrder(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
         if not self._started and self._dataset is not None:
-            per_epoch = keras_iterators_before(1, int(self._dataset.cardinality()) >= 0)
+            per_epoch = keras_iterators_per_epoch(int(self._dataset.cardinality()) >= 0)
             for _ in range(epoch):
                 next(iter(self._dataset), None)  # the epoch's own iterator
                 for _ in range(per_epoch - 1):
@@ -688,8 +688,8 @@ class EpochOrder(keras.callbacks.Callback):
         self._started = True
 
 
-def keras_iterators_before(epoch, batches_known):
-    """How many iterators Keras' fit (without steps_per_epoch) creates on its dataset before `epoch`.
+def keras_iterators_per_epoch(batches_known):
+    """How many iterators Keras' fit (without steps_per_epoch) creates on its dataset per epoch.
 
     Keras creates one at the start of every epoch and, when the dataset's cardinality tells it
     the number of batches, another one (unused) as soon as an epoch has seen them all. (Checked
@@ -697,8 +697,8 @@ def keras_iterators_before(epoch, batches_known):
     so does Keras-on-torch's: its DataLoader over the dataset makes the dataset's iterator only when
     the first batch is asked for, which the unused one never is."""
     if keras.backend.backend() in ("jax", "torch"):
-        return epoch
-    return 2 * epoch if batches_known else epoch
+        return 1
+    return 2 if batches_known else 1
 
 
 def global_batches(method, x, y=None, sample_weight=None, batch_size=None, micro_batch_size=None,

@@ -109,7 +109,7 @@ def test_keras_fit_creates_as_many_iterators_before_each_epoch_as_tarantella_ski
         counter.counts = []
         created.clear()
         model.fit(dataset, epochs=4, verbose=0, callbacks=[counter])
-        assert counter.counts == [data.keras_iterators_before(epoch, batches_known) for epoch in range(4)]
+        assert counter.counts == [epoch * data.keras_iterators_per_epoch(batches_known) for epoch in range(4)]
 
 
 def test_keras_own_train_step_differentiates_what_optimizer_scale_loss_returns():
