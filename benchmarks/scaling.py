@@ -17,8 +17,8 @@ master rank's training-step time and samples/s of:
   (horovod) LeNet-5 and the MLP only: Horovod 0.28.1 at 2 ranks, on TensorFlow 2.15 and
       Keras 2, from the environment that benchmarks/make_horovod_venv.sh builds (--horovod-venv;
       skipped, with a line saying so, where there is none), under the same launcher and mpiexec;
-  (c+NAME=VALUE) named in --variants only: (c) with one environment setting, e.g.
-      c+TNT_FUSION_THRESHOLD=1024, reported against (c);
+  (c+NAME=VALUE), (d+NAME=VALUE) named in --variants only: (c) or (d) with one environment
+      setting, e.g. c+TNT_FUSION_THRESHOLD=1024, reported against (c) or (d), and (c+S)/(d+S);
   (split), (keras2), (keras2-split) named in --variants only, to find where a gap to Horovod
       comes from: Keras 3 at 2 processes each training its half of every global batch with no
       communication at all; Keras 2 in one process, and Keras 2 split as (split), both from
@@ -192,14 +192,14 @@ def horovod_skipped(models, named, horovod_python, venv):
 
 
 def setting_variant(label):
-    """The variant `c+NAME=VALUE`: (c) with the environment setting NAME=VALUE (e.g.
-    c+TNT_FUSION_THRESHOLD=1024), or None where `label` is no such name."""
+    """The variant `c+NAME=VALUE` or `d+NAME=VALUE`: (c) or (d) with the environment setting
+    NAME=VALUE (e.g. c+TNT_FUSION_THRESHOLD=1024), or None where `label` is no such name."""
     base, plus, setting = label.partition("+")
     name, equals, value = setting.partition("=")
-    if base != "c" or not plus or not equals or not name.isidentifier():
+    if base not in ("c", "d") or not plus or not equals or not name.isidentifier():
         return None
-    return VARIANTS["c"]._replace(description=f"tarantella, 2 ranks, {name}={value}",
-                                  environment=((name, value),))
+    return VARIANTS[base]._replace(description=f"{VARIANTS[base].description}, {name}={value}",
+                                   environment=((name, value),))
 
 
 def backend_models(backend):
@@ -431,6 +431,11 @@ def verdict(spread, target, rounds):
     return "spread too large to judge"
 
 
+def summands_of(denominator):
+    """The variants a ratio's denominator adds up: "d+ring" is (d)+(ring), "d+NAME=VALUE" one variant."""
+    return [denominator] if setting_variant(denominator) is not None else denominator.split("+")
+
+
 def analyze(model, measured):
     """Step times per variant, and each target ratio from paired rounds, with their spread."""
     step = {label: [w["median_step_seconds"] for w in windows] for label, windows in measured["windows"].items()}
@@ -438,9 +443,11 @@ def analyze(model, measured):
     targets = {**RATIO_TARGETS[model], **{("c", label): AGAINST_TARGET for label in step if label.startswith("@")},
                **{("c", label): None for label in step if label.startswith("no-")},
                ("timeline", "c"): TIMELINE_TARGET, **DECOMPOSITION,
-               **{(label, "c"): None for label in step if setting_variant(label) is not None}}
+               **{(label, label[0]): None for label in step if setting_variant(label) is not None},
+               **{(label, "d" + label[1:]): None for label in step
+                  if label.startswith("c+") and "d" + label[1:] in step}}
     for (numerator, denominator), target in targets.items():
-        summands = denominator.split("+")
+        summands = summands_of(denominator)
         if numerator not in step or any(label not in step for label in summands):
             continue
         # Per round: the windows ran moments apart, so the machine's drift cancels.
@@ -515,7 +522,7 @@ def print_report(results, repeats, backend):
         print(f"{'':<26}global batch {batch}, {measured['steps_per_window']} timed step(s) per window")
         for name, ratio in analysis["ratios"].items():
             numerator, denominator = name.split("/", 1)
-            denominator = "+".join(f"({label})" for label in denominator.split("+"))
+            denominator = "+".join(f"({label})" for label in summands_of(denominator))
             quartiles = f"{ratio['q1']:.3f}-{ratio['q3']:.3f}"
             print(f"{'':<26}{f'({numerator})/{denominator} step time':<46}{ratio['median']:>9.3f}"
                   f"{quartiles:>12}  min-max {ratio['min']:.3f}-{ratio['max']:.3f}, "

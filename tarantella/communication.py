@@ -808,6 +808,7 @@ def init():
     _check_the_launcher_reached_mpi(MPI)
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     local_rank, local_size = node.Get_rank(), node.Get_size()
+    bound_to_own_cores = local_size > 1 and config.bind_cores() and _bind_to_own_cores(node, local_rank)
     node.Free()
     side = world.Dup() if world.Get_size() > 1 else None
     _world = Communicator(world.Dup(), config.collective_timeout_s(), ring_allreduce, side_comm=side,
@@ -822,7 +823,7 @@ def init():
     if missing_mpi is not None:
         logger.info("no MPI (%s): running as a single process, without MPI.", missing_mpi)
     if _world.size > 1 or not config.use_gpu():
-        _configure_tensorflow(local_rank, local_size)
+        _configure_tensorflow(local_rank, local_size, bound_to_own_cores)
     if _world.size > 1:
         _stop_all_ranks_on_uncaught_error(_world.rank)
         from tarantella import rank_entry
@@ -892,13 +893,46 @@ def _configure_logging(rank):
     logger.setLevel(config.log_level() if on_all or rank == MASTER_RANK else "ERROR")
 
 
-def _configure_tensorflow(local_rank, local_size):
-    """Gives each rank its share of the node: its own GPU if there is one per rank, else CPU threads."""
+def _cores_by_physical_core(cores):
+    """`cores` ordered so that the hardware threads of one physical core are adjacent."""
+    def place(cpu):
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            with open(topology + "physical_package_id") as package, open(topology + "core_id") as core:
+                return int(package.read()), int(core.read()), cpu
+        except (OSError, ValueError):
+            return 0, cpu, cpu
+    return sorted(cores, key=place)
+
+
+def _bind_to_own_cores(node, local_rank):
+    """Ranks of a node that may all run on the same cores split them: each binds every thread it
+    runs (and those it starts later) to its own share. Unbound, each rank's thread pools (XLA's,
+    the input pipeline's, MPI's) are sized to all of those cores and fight over them. A rank that
+    a launcher or scheduler bound to cores of its own keeps them. True where this rank bound itself."""
+    cores = sorted(os.sched_getaffinity(0))
+    sharing = [rank for rank, theirs in enumerate(node.allgather(cores)) if theirs == cores]
+    if len(sharing) < 2 or len(cores) < len(sharing):
+        return False
+    index, parts = sharing.index(local_rank), len(sharing)
+    own = _cores_by_physical_core(cores)[index * len(cores) // parts:(index + 1) * len(cores) // parts]
+    for thread in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(thread), own)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return True
+
+
+def _configure_tensorflow(local_rank, local_size, bound_to_own_cores):
+    """Gives each rank its share of the node: its own GPU if there is one per rank, else CPU threads
+    (as many as its own cores, where it bound itself to them)."""
     import tensorflow as tf
     threads = config.threads_per_rank()
     if threads is None and local_size > 1:
         # Measured on 2 cores: one thread per rank beats TensorFlow's defaults by 25%.
-        threads = max(1, len(os.sched_getaffinity(0)) // local_size)
+        cores = len(os.sched_getaffinity(0))
+        threads = cores if bound_to_own_cores else max(1, cores // local_size)
     try:
         gpus = tf.config.list_physical_devices("GPU")
         if gpus and local_size <= len(gpus) and config.use_gpu():

@@ -58,6 +58,11 @@ def threads_per_rank():
     return int(value) or None
 
 
+def bind_cores():
+    """Each rank of a node runs on its own share of the node's cores, where nothing bound them yet."""
+    return os.environ.get("TNT_BIND_CORES", "").strip() == "" or _flag("TNT_BIND_CORES")
+
+
 def ring_allreduce():
     """Large gradient buckets use tarantella's ring allreduce unless TNT_ALLREDUCE=mpi."""
     choice = os.environ.get("TNT_ALLREDUCE", "ring").strip().lower()
@@ -155,7 +160,7 @@ def restart_attempt():
 # Every setting a user may give, with the function that reads (and checks) it; None: read elsewhere.
 _SETTINGS = {
     "TNT_FUSION_THRESHOLD": fusion_threshold_bytes, "TNT_COLLECTIVE_TIMEOUT": collective_timeout_s,
-    "TNT_THREADS_PER_RANK": threads_per_rank, "TNT_ALLREDUCE": ring_allreduce,
+    "TNT_THREADS_PER_RANK": threads_per_rank, "TNT_BIND_CORES": bind_cores, "TNT_ALLREDUCE": ring_allreduce,
     "TNT_OUTPUT_ON_ALL_DEVICES": output_on_all_devices, "TNT_TENSORBOARD_ON_ALL_DEVICES": tensorboard_on_all_devices,
     "TNT_LOG_ON_ALL_DEVICES": log_on_all_devices, "TNT_USE_GPU": use_gpu, "TNT_ANNOUNCE_RANKS": announce_ranks,
     "TNT_LOG_LEVEL": log_level, "TNT_STALL_WARNING": stall_warning_s, "TNT_START_TIMEOUT": start_timeout_s,

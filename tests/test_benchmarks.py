@@ -188,17 +188,25 @@ def test_the_worker_times_a_bare_ring_allreduce_of_the_gradient_bytes():
     assert worker.measure_bare_ring(Model(), 2) > 0
 
 
-def test_a_setting_variant_runs_c_with_one_environment_setting_and_is_reported_against_c():
-    selected = scaling.select_variants("mlp", ["c", "c+TNT_FUSION_THRESHOLD=1024"], {}, None, "")
+def test_a_setting_variant_runs_c_or_d_with_one_environment_setting_and_is_reported_against_it():
+    selected = scaling.select_variants("mlp", ["c", "c+TNT_FUSION_THRESHOLD=1024", "d+TNT_BIND_CORES=false"],
+                                       {}, None, "")
     setting = selected["c+TNT_FUSION_THRESHOLD=1024"]
     assert setting.environment == (("TNT_FUSION_THRESHOLD", "1024"),) and setting.ranks == 2
-    assert selected["c"].environment == ()
-    for malformed in ["c+TNT_FUSION_THRESHOLD", "d+TNT_FUSION_THRESHOLD=1", "c+=1", "c+1X=2"]:
+    assert setting.worker_variant == "tarantella" and selected["c"].environment == ()
+    assert selected["d+TNT_BIND_CORES=false"].worker_variant == "no-allreduce"
+    for malformed in ["c+TNT_FUSION_THRESHOLD", "a+TNT_FUSION_THRESHOLD=1", "c+=1", "c+1X=2"]:
         with pytest.raises(ValueError, match="unknown variant"):
             scaling.select_variants("mlp", ["c", malformed], {}, None, "")
-    step_ms = {"c": [100] * 5, "c+TNT_FUSION_THRESHOLD=1024": [90, 91, 89, 90, 92]}
-    ratio = scaling.analyze("mlp", _measured(step_ms))["ratios"]["c+TNT_FUSION_THRESHOLD=1024/c"]
+    step_ms = {"c": [100] * 5, "d": [80] * 5, "c+TNT_BIND_CORES=false": [110] * 5, "d+TNT_BIND_CORES=false": [88] * 5,
+               "c+TNT_FUSION_THRESHOLD=1024": [90, 91, 89, 90, 92]}
+    ratios = scaling.analyze("mlp", _measured(step_ms))["ratios"]
+    ratio = ratios["c+TNT_FUSION_THRESHOLD=1024/c"]
     assert ratio["median"] == pytest.approx(0.90) and ratio["verdict"] == "measured, not judged"
+    # "d+NAME=VALUE" in a denominator is one variant, not (d) plus another
+    assert ratios["d+TNT_BIND_CORES=false/d"]["median"] == pytest.approx(1.10)
+    assert ratios["c+TNT_BIND_CORES=false/d+TNT_BIND_CORES=false"]["median"] == pytest.approx(1.25)
+    assert ratios["c/d"]["median"] == pytest.approx(1.25) and "c+TNT_FUSION_THRESHOLD=1024/d" not in ratios
 
 
 @pytest.mark.parametrize("backend", ["jax", "torch"])

@@ -314,6 +314,34 @@ def test_ranks_run_under_the_interpreter_wrapper_and_their_numa_binding(tmp_path
         assert f"rank {rank}: NUMACTL_BINDING=--cpunodebind={rank} --membind={rank}" in process.stdout
 
 
+CORES_SEEN = WORKERS / "cores_seen.py"
+
+
+def cores_seen(process, ranks):
+    """{rank: (its cores, whether every thread of it runs on them, TensorFlow's intra-op threads)}."""
+    assert_ok(process)
+    found = re.findall(r"rank (\d) cores \[([\d, ]*)\] all threads (\w+) tensorflow threads (\d+)", process.stdout)
+    assert sorted(int(rank) for rank, *_ in found) == list(range(ranks)), process.stdout[-2000:]
+    return {int(rank): ([int(core) for core in cores.split(", ")], every == "True", int(threads))
+            for rank, cores, every, threads in found}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to share")
+def test_ranks_that_share_cores_split_them_and_bound_ranks_keep_theirs():
+    """XLA's and the input pipeline's thread pools are sized to the cores a rank may use: unbound
+    ranks each size theirs to the whole node. Here rank 0 is bound to one core before tarantella
+    starts, as Open MPI or Slurm would bind it: it keeps that core, while ranks 1 and 2, free to use
+    them all, split them, every thread of theirs included (the communicator's, started earlier)."""
+    everything = sorted(os.sched_getaffinity(0))
+    seen = cores_seen(launch(3, CORES_SEEN, env={"BIND_RANK_0_FIRST": "1"}, timeout=120), 3)
+    half = len(everything) // 2
+    assert seen[0] == ([everything[0]], True, 1), seen
+    assert sorted(seen[1][0] + seen[2][0]) == everything and len(seen[1][0]) in (half, len(everything) - half), seen
+    assert all(seen[rank][1] and seen[rank][2] == len(seen[rank][0]) for rank in (1, 2)), seen
+    unbound = cores_seen(launch(2, CORES_SEEN, env={"TNT_BIND_CORES": "false"}, timeout=120), 2)
+    assert [unbound[rank][0] for rank in (0, 1)] == [everything, everything], unbound
+
+
 def test_an_empty_interpreter_runs_a_binary_on_every_rank(tmp_path):
     tool = fake_tool(tmp_path, "tool.py", 'echo "tool on rank $PMI_RANK of $PMI_SIZE: $*"\n')
     process = launch(2, tool, "a b", options=["--python-interpreter", ""], timeout=60)
@@ -414,6 +442,7 @@ def test_cleanup_dry_run_on_this_node_stops_nothing():
     ("TNT_STALL_WARNING", "inf", "TNT_STALL_WARNING='inf' must be a finite number of seconds >= 1"),
     ("TNT_START_TIMEOUT", "soon", "TNT_START_TIMEOUT='soon' is not a number of seconds"),
     ("TNT_LOG_LEVEL", "loud", "TNT_LOG_LEVEL='LOUD' is not one of DEBUG, INFO, WARNING, ERROR"),
+    ("TNT_BIND_CORES", "sometimes", "TNT_BIND_CORES='sometimes' is not a boolean"),
 ])
 def test_a_bad_setting_is_refused_in_one_line_before_any_rank_starts(name, value, says):
     # nan compares false with every bound, so a nan timeout used to let a frozen rank hang the job.

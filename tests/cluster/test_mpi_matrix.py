@@ -265,3 +265,21 @@ def test_an_mpiexec_of_another_mpi_than_the_library_is_refused_on_every_rank(mpi
                r"that mpi4py loaded \(Open MPI v5[\d.]+\) made each of them a job of its own \(size 1\)")
     assert len(re.findall(refusal, process.stderr)) == 2, process.stderr
     assert not list(tmp_path.iterdir()), "no rank trained"
+
+
+# -- cores per rank ----------------------------------------------------------------------------
+
+@only_with_cluster_tests
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to share")
+@pytest.mark.parametrize("key", MPIS)
+def test_two_ranks_of_a_node_run_on_cores_of_their_own_whoever_binds_them(mpi_venvs, key):
+    """Hydra (MPICH) leaves ranks unbound and tarantella splits the cores; Open MPI and Intel MPI
+    bind 2 ranks to a core each by default, and tarantella keeps their binding. Either way every
+    thread of a rank (XLA's and the input pipeline's pools, the communicator's) runs on its own cores."""
+    mpi = mpi_venvs(key)
+    process = run([mpi.bin("tarantella"), "-n", "2", "--no-gpu", "--", WORKERS / "cores_seen.py"], mpi, timeout=120)
+    assert_ok(process)
+    seen = {int(rank): ({int(core) for core in cores.split(", ")}, every == "True")
+            for rank, cores, every in re.findall(r"rank (\d) cores \[([\d, ]*)\] all threads (\w+)", process.stdout)}
+    assert sorted(seen) == [0, 1] and not seen[0][0] & seen[1][0], process.stdout
+    assert seen[0][1] and seen[1][1], process.stdout
