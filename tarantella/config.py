@@ -14,8 +14,11 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
 
 
-def _flag(name):
+def _flag(name, default=False):
+    """The boolean setting `name`; `default` where it is unset or empty."""
     value = os.environ.get(name, "").strip().lower()
+    if value == "":
+        return default
     if value in _TRUE:
         return True
     if value in _FALSE:
@@ -60,7 +63,7 @@ def threads_per_rank():
 
 def bind_cores():
     """Each rank of a node runs on its own share of the node's cores, where nothing bound them yet."""
-    return os.environ.get("TNT_BIND_CORES", "").strip() == "" or _flag("TNT_BIND_CORES")
+    return _flag("TNT_BIND_CORES", default=True)
 
 
 def ring_allreduce():
@@ -87,7 +90,7 @@ def log_on_all_devices():
 
 def use_gpu():
     """False where the launcher runs every rank on CPU (--no-gpu, or fewer GPUs than ranks)."""
-    return os.environ.get("TNT_USE_GPU", "").strip() == "" or _flag("TNT_USE_GPU")
+    return _flag("TNT_USE_GPU", default=True)
 
 
 def announce_ranks():

@@ -75,3 +75,13 @@ def refusals_by_rank(stdout):
     """{rank: message} of the lines "rank R refused: ..." that ranks print; the ranks' lines may
     arrive interleaved, so each is read up to the next one."""
     return {int(rank): text for rank, text in re.findall(r"rank (\d+) refused: (.*?)(?=rank \d+ refused|\n|$)", stdout)}
+
+
+def cores_seen(process, ranks):
+    """What each rank of a job of tests/workers/cores_seen.py printed: {rank: (its cores, whether
+    every thread of it runs on them, TensorFlow's intra-op threads)}."""
+    assert_ok(process)
+    found = re.findall(r"rank (\d) cores \[([\d, ]*)\] all threads (\w+) tensorflow threads (\d+)", process.stdout)
+    assert sorted(int(rank) for rank, *_ in found) == list(range(ranks)), process.stdout[-2000:]
+    return {int(rank): ([int(core) for core in cores.split(", ")], every == "True", int(threads))
+            for rank, cores, every, threads in found}

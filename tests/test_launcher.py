@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import REPO, WORKERS, assert_ok, launch, launcher_command, quiet_env, run_python
+from conftest import REPO, WORKERS, assert_ok, cores_seen, launch, launcher_command, quiet_env, run_python
 
 SCENARIOS = WORKERS / "scenarios.py"
 RANK_ENTRY = str(REPO / "tarantella" / "rank_entry.py")
@@ -315,15 +315,6 @@ def test_ranks_run_under_the_interpreter_wrapper_and_their_numa_binding(tmp_path
 
 
 CORES_SEEN = WORKERS / "cores_seen.py"
-
-
-def cores_seen(process, ranks):
-    """{rank: (its cores, whether every thread of it runs on them, TensorFlow's intra-op threads)}."""
-    assert_ok(process)
-    found = re.findall(r"rank (\d) cores \[([\d, ]*)\] all threads (\w+) tensorflow threads (\d+)", process.stdout)
-    assert sorted(int(rank) for rank, *_ in found) == list(range(ranks)), process.stdout[-2000:]
-    return {int(rank): ([int(core) for core in cores.split(", ")], every == "True", int(threads))
-            for rank, cores, every, threads in found}
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to share")

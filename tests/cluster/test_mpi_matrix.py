@@ -20,7 +20,7 @@ import uuid
 import numpy as np
 import pytest
 
-from conftest import WORKERS, assert_ok, load_npz
+from conftest import WORKERS, assert_ok, cores_seen, load_npz
 from netns_hosts import namespace_hosts, network_namespace_of
 
 from .conftest import ALL_TESTS, CASE, MPIS, TRAIN, assert_restarted_once_like_the_uninterrupted_run, mpi_env
@@ -277,9 +277,7 @@ def test_two_ranks_of_a_node_run_on_cores_of_their_own_whoever_binds_them(mpi_ve
     bind 2 ranks to a core each by default, and tarantella keeps their binding. Either way every
     thread of a rank (XLA's and the input pipeline's pools, the communicator's) runs on its own cores."""
     mpi = mpi_venvs(key)
-    process = run([mpi.bin("tarantella"), "-n", "2", "--no-gpu", "--", WORKERS / "cores_seen.py"], mpi, timeout=120)
-    assert_ok(process)
-    seen = {int(rank): ({int(core) for core in cores.split(", ")}, every == "True")
-            for rank, cores, every in re.findall(r"rank (\d) cores \[([\d, ]*)\] all threads (\w+)", process.stdout)}
-    assert sorted(seen) == [0, 1] and not seen[0][0] & seen[1][0], process.stdout
-    assert seen[0][1] and seen[1][1], process.stdout
+    seen = cores_seen(run([mpi.bin("tarantella"), "-n", "2", "--no-gpu", "--", WORKERS / "cores_seen.py"], mpi,
+                          timeout=120), 2)
+    assert not set(seen[0][0]) & set(seen[1][0]), seen
+    assert seen[0][1] and seen[1][1], seen
