@@ -93,6 +93,12 @@ def use_gpu():
     return _flag("TNT_USE_GPU", default=True)
 
 
+def share_gpus():
+    """Ranks of a node with fewer GPUs than ranks share them (rank r takes GPU r mod G), each taking
+    GPU memory only as it needs it, instead of all training on CPU."""
+    return _flag("TNT_SHARE_GPUS")
+
+
 def announce_ranks():
     """Set by the `tarantella` command, which names a failed rank's host from these announcements."""
     return _flag("TNT_ANNOUNCE_RANKS")
@@ -165,7 +171,8 @@ _SETTINGS = {
     "TNT_FUSION_THRESHOLD": fusion_threshold_bytes, "TNT_COLLECTIVE_TIMEOUT": collective_timeout_s,
     "TNT_THREADS_PER_RANK": threads_per_rank, "TNT_BIND_CORES": bind_cores, "TNT_ALLREDUCE": ring_allreduce,
     "TNT_OUTPUT_ON_ALL_DEVICES": output_on_all_devices, "TNT_TENSORBOARD_ON_ALL_DEVICES": tensorboard_on_all_devices,
-    "TNT_LOG_ON_ALL_DEVICES": log_on_all_devices, "TNT_USE_GPU": use_gpu, "TNT_ANNOUNCE_RANKS": announce_ranks,
+    "TNT_LOG_ON_ALL_DEVICES": log_on_all_devices, "TNT_USE_GPU": use_gpu, "TNT_SHARE_GPUS": share_gpus,
+    "TNT_ANNOUNCE_RANKS": announce_ranks,
     "TNT_LOG_LEVEL": log_level, "TNT_STALL_WARNING": stall_warning_s, "TNT_START_TIMEOUT": start_timeout_s,
     "TNT_TENSORFLOW_STARTUP_LOGS": tensorflow_startup_logs, "TNT_TIMELINE": timeline_path, "TNT_MPIEXEC": None,
     "TNT_BACKUP_DIR": backup_dir, "TNT_BACKUP_EVERY_STEPS": backup_every_steps,

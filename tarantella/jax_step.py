@@ -12,7 +12,8 @@ from the wrapped model's stateless parts (`compute_loss_and_updates`, the optimi
    that alone reaches the fusion threshold is its own bucket, handed over unconcatenated. The
    sum is a `buffer_callback` whose outputs alias its inputs: the worker sums each bucket in
    place, in the very buffer XLA computed it in, so nothing is copied in or out and no fresh
-   output buffer is allocated;
+   output buffer is allocated. On a GPU the buckets are an ordered `io_callback`'s instead:
+   JAX copies them to the host and their sums back;
 3. metrics: every metric variable starts the step at zero; the increments of all ranks are
    summed and added to the state the metric had. Keras feeds its loss tracker the
    micro-batch's loss weighted by m, so the summed tracker holds the serial mean loss.
@@ -81,6 +82,8 @@ class JaxStep:
         self._comm = communicator
         self._model = model
         self._threshold_bytes = threshold_bytes
+        # On the CPU the gradient sum reads and writes XLA's own buffers; a GPU's must be copied.
+        self._gradients_in_host_memory = jax.default_backend() == "cpu"
         # Callbacks asking for rank-local logs (aggregate_logs=False) are refused on JAX.
         self.local_metric_state = None
 
@@ -292,9 +295,13 @@ class JaxStep:
         # callback's input to its output): the worker reads and writes it there, so no bucket is
         # copied and no fresh output buffer is faulted in (for the MLP of benchmarks/scaling.py,
         # faulting in 40 MB of output each step cost more than its ring allreduce).
-        summed = buffer_callback(self._sum_in_place, [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buckets],
-                                 has_side_effect=True, input_output_aliases={i: i for i in range(len(buckets))}
-                                 )(*buckets, *waited_for)
+        specs = [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buckets]
+        if self._gradients_in_host_memory:
+            summed = buffer_callback(self._sum_in_place, specs, has_side_effect=True,
+                                     input_output_aliases={i: i for i in range(len(buckets))})(*buckets, *waited_for)
+        else:  # a GPU's buffers: JAX copies the buckets to the host and the sums back
+            summed = io_callback(functools.partial(self._sum_copies, len(buckets)), specs, *buckets, *waited_for,
+                                 ordered=True)
         result = list(grads)
         for bucket, total in zip(members, summed):
             if len(bucket) == 1:
@@ -313,6 +320,14 @@ class JaxStep:
         for index, total in enumerate(sums):
             self._comm.submit_bucket(index, len(sums), np.asarray(total).reshape(-1), agreed=True)
         self._comm.collect_buckets()
+
+    def _sum_copies(self, count, *buckets_and_unread):
+        """The sums over ranks of the first `count` arrays, host copies of a GPU's buckets."""
+        sums = [np.array(bucket).reshape(-1) for bucket in buckets_and_unread[:count]]
+        for index, total in enumerate(sums):
+            self._comm.submit_bucket(index, count, total, agreed=True)
+        self._comm.collect_buckets()
+        return [total.reshape(np.shape(bucket)) for total, bucket in zip(sums, buckets_and_unread)]
 
     def _add_global_increments(self, sequence, metric_state, increments, contributes, after=None):
         """The metric state advanced by the increments of every rank. `after` (optional, an

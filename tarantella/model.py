@@ -590,14 +590,12 @@ def _refuse_what_the_backend_lacks(model):
 
 
 def jax_platform_refusal(platform):
-    """The refusal for a JAX `platform` the JAX step cannot run on, or None for the CPU. Its
-    gradient sum reads and writes XLA's buffers in host memory, and no rank is given a GPU of
-    its own on JAX yet."""
-    if platform == "cpu":
+    """The refusal for a JAX `platform` the JAX step cannot run on, or None for the CPU and GPUs
+    (whose gradients the step copies to the host for MPI)."""
+    if platform in ("cpu", "gpu"):
         return None
-    return (f"tnt.Model on Keras' JAX backend runs on the CPU only yet, and this rank's JAX runs on "
-            f"{platform!r}. Set JAX_PLATFORMS=cpu for the job (every rank trains on the CPU), or use "
-            "KERAS_BACKEND=tensorflow, whose ranks each get a GPU of their own.")
+    return (f"tnt.Model on Keras' JAX backend runs on CPUs and GPUs only yet, and this rank's JAX runs on "
+            f"{platform!r}. Set JAX_PLATFORMS=cpu (or cuda) for the job, or use KERAS_BACKEND=tensorflow.")
 
 
 def _overrides(model, method):

@@ -359,7 +359,7 @@ class _GradientRound:
             for i, offset, size in members:
                 variable = self.plan.variables[i]
                 summed[i] = torch.from_numpy(flat[offset:offset + size]).reshape(tuple(variable.shape)).to(
-                    variable.value.dtype)
+                    device=variable.value.device, dtype=variable.value.dtype)
         return summed
 
 

@@ -272,6 +272,26 @@ def test_more_ranks_than_gpus_run_on_cpu_with_a_warning_that_no_gpu_silences(tmp
     on_cpu_anyway = run_launcher("--dry-run", "-n", "2", "--no-gpu", "--", "t.py", env=gpus)
     assert "TNT_USE_GPU=false" in on_cpu_anyway.stdout
     assert "TNT_USE_GPU" not in run_launcher("--dry-run", "-n", "2", "--", "t.py", env=gpus).stdout
+    shared = run_launcher("--dry-run", "-n", "4", "--", "t.py", env=dict(gpus, TNT_SHARE_GPUS="true"))
+    assert "TNT_USE_GPU" not in shared.stdout and "WARNING" not in shared.stderr
+    assert shared.stdout.splitlines()[-1] == "ranks: 4 (4 per node on this node, GPU)"
+
+
+def test_each_rank_of_a_node_picks_its_own_gpu_or_shares_them_only_when_asked(monkeypatch):
+    """The rank's side of the placement above (tests/test_gpu.py runs it on real GPUs)."""
+    from tarantella import communication
+    from tarantella.communication import _gpu_of_this_rank
+    warnings = []
+    monkeypatch.setattr(communication.logger, "warning", lambda message, *values: warnings.append(message % values))
+    monkeypatch.delenv("TNT_SHARE_GPUS", raising=False)
+    monkeypatch.delenv("TNT_USE_GPU", raising=False)
+    assert [_gpu_of_this_rank(rank, 4, 4) for rank in range(4)] == [0, 1, 2, 3]
+    assert _gpu_of_this_rank(0, 2, 0) is None and not warnings
+    assert _gpu_of_this_rank(2, 3, 2) is None and "3 ranks on this node but 2 GPU(s)" in warnings[0]
+    monkeypatch.setenv("TNT_SHARE_GPUS", "true")
+    assert [_gpu_of_this_rank(rank, 3, 2) for rank in range(3)] == [0, 1, 0]
+    monkeypatch.setenv("TNT_USE_GPU", "false")
+    assert _gpu_of_this_rank(0, 1, 1) is None
 
 
 # -- pinning -------------------------------------------------------------------------------------
@@ -434,6 +454,7 @@ def test_cleanup_dry_run_on_this_node_stops_nothing():
     ("TNT_START_TIMEOUT", "soon", "TNT_START_TIMEOUT='soon' is not a number of seconds"),
     ("TNT_LOG_LEVEL", "loud", "TNT_LOG_LEVEL='LOUD' is not one of DEBUG, INFO, WARNING, ERROR"),
     ("TNT_BIND_CORES", "sometimes", "TNT_BIND_CORES='sometimes' is not a boolean"),
+    ("TNT_SHARE_GPUS", "maybe", "TNT_SHARE_GPUS='maybe' is not a boolean"),
 ])
 def test_a_bad_setting_is_refused_in_one_line_before_any_rank_starts(name, value, says):
     # nan compares false with every bound, so a nan timeout used to let a frozen rank hang the job.

@@ -207,3 +207,15 @@ def test_zoo_slice_trains_like_serial_keras_on_torch(backend, case, ranks, zoo_r
     """tests/test_zoo.py's torch slice (TNT_ZOO_BACKEND=torch with TNT_ZOO_CASES chooses others): the
     zoo's worker on torch, serially and on the ranks; the overridden train_step is refused."""
     test_zoo.check(backend, case, ranks, zoo_runs)
+
+
+def test_keras_torch_backend_puts_new_tensors_on_the_device_tarantella_sets():
+    """tarantella gives each rank's Keras its own GPU (or the CPU) after Keras chose its device at
+    import, through a private module attribute of Keras' torch backend."""
+    check = ("import keras\n"
+             "from keras.src.backend.torch import core\n"
+             "core.DEFAULT_DEVICE = 'meta'\n"
+             "print('device', keras.ops.zeros((2,)).device, keras.Variable([1.0]).value.device)\n")
+    process = run_python("-c", check, env=TORCH)
+    assert_ok(process)
+    assert "device meta meta" in process.stdout, process.stdout
