@@ -157,6 +157,13 @@ def test_only_tensorflows_own_tf_variables_are_forwarded():
         "TF_ENABLE_ONEDNN_OPTS=0", "TF_FORCE_GPU_ALLOW_GROWTH=true", "TF_XLA_FLAGS=--tf_xla_auto_jit=2"]
 
 
+def test_jax_and_xla_settings_reach_every_rank():
+    env = clean_env(JAX_DEFAULT_MATMUL_PRECISION="highest", XLA_PYTHON_CLIENT_MEM_FRACTION=".4")
+    environment = environment_of(dry_run("-n", "2", "--", "t.py", env=env))
+    assert "JAX_DEFAULT_MATMUL_PRECISION=highest" in environment
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=.4" in environment
+
+
 # -- hosts: hostfile and Slurm -------------------------------------------------------------------
 
 def test_hostfile_places_ranks_per_node_with_each_alias_of_n_per_node(tmp_path):
