@@ -67,8 +67,8 @@ def test_dry_run_shows_the_exact_command_and_environment_in_order():
     assert "-genv TNT_FUSION_THRESHOLD 8" in command and "-genv A 'has space'" in command
     assert environment_of(output) == [
         "PYTHONUNBUFFERED=1", "KERAS_BACKEND=tensorflow", "TNT_FUSION_THRESHOLD=8", "TNT_OUTPUT_ON_ALL_DEVICES=true", "TNT_LOG_LEVEL=INFO",
-        "TNT_LOG_ON_ALL_DEVICES=true", "TNT_USE_GPU=false", "TNT_ANNOUNCE_RANKS=true", "B=2", "A=has space",
-        "C=x=y"]
+        "TNT_LOG_ON_ALL_DEVICES=true", "TNT_USE_GPU=false", "TNT_ANNOUNCE_RANKS=true",
+        "GLIBC_TUNABLES=glibc.malloc.hugetlb=1", "B=2", "A=has space", "C=x=y"]
     assert output.splitlines()[-1] == "ranks: 3 (3 per node on this node, CPU)"
 
 
@@ -80,19 +80,30 @@ def test_python_path_and_tnt_tf_keras_mpi4py_variables_reach_every_host_flags_wi
     # KERAS_BACKEND: `import tarantella` sets it to tensorflow in the launcher too
     assert environment == ["PYTHONUNBUFFERED=1", "KERAS_BACKEND=tensorflow", "KERAS_HOME=/shared/keras", "MPI4PY_LIBMPI=/opt/mpi/libmpi.so",
                            "PYTHONPATH=/shared/lib", "TNT_FUSION_THRESHOLD=8", "TNT_USE_GPU=false",
-                           "TNT_ANNOUNCE_RANKS=true", "TF_CPP_MIN_LOG_LEVEL=0"]
+                           "TNT_ANNOUNCE_RANKS=true", "GLIBC_TUNABLES=glibc.malloc.hugetlb=1",
+                           "TF_CPP_MIN_LOG_LEVEL=0"]
+
+
+def test_ranks_back_glibcs_large_blocks_with_huge_pages_unless_the_user_chose():
+    def tunables(**env):
+        environment = environment_of(dry_run("-n", "2", "--", "t.py", env=clean_env(**env)))
+        return [entry for entry in environment if entry.startswith("GLIBC_TUNABLES=")]
+    assert tunables() == ["GLIBC_TUNABLES=glibc.malloc.hugetlb=1"]
+    assert tunables(GLIBC_TUNABLES="glibc.malloc.arena_max=2") == [
+        "GLIBC_TUNABLES=glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"]
+    assert tunables(GLIBC_TUNABLES="glibc.malloc.hugetlb=0") == ["GLIBC_TUNABLES=glibc.malloc.hugetlb=0"]
 
 
 def test_a_program_that_is_not_python_runs_as_it_is():
-    assert command_of(dry_run("-n", "2", "--", "hostname")).endswith(" TNT_ANNOUNCE_RANKS true hostname")
+    assert command_of(dry_run("-n", "2", "--", "hostname")).endswith(" GLIBC_TUNABLES glibc.malloc.hugetlb=1 hostname")
 
 
 def test_python_interpreter_wraps_the_program_and_an_empty_one_runs_it_directly():
     wrapped = command_of(dry_run("-n", "2", "--python-interpreter", "valgrind --leak-check=yes python3", "--",
                                  "train.py", "-v"))
-    assert wrapped.endswith(" TNT_ANNOUNCE_RANKS true valgrind --leak-check=yes python3 " + RANK_ENTRY + " train.py -v")
+    assert wrapped.endswith(" GLIBC_TUNABLES glibc.malloc.hugetlb=1 valgrind --leak-check=yes python3 " + RANK_ENTRY + " train.py -v")
     direct = command_of(dry_run("-n", "2", "--python-interpreter", "", "--", "./tool.py", "-v"))
-    assert direct.endswith(" TNT_ANNOUNCE_RANKS true ./tool.py -v")
+    assert direct.endswith(" GLIBC_TUNABLES glibc.malloc.hugetlb=1 ./tool.py -v")
 
 
 def test_help_and_version_answer_at_once_without_tensorflow_or_mpi():
