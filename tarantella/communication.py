@@ -990,7 +990,7 @@ def _configure_torch(local_rank, local_size, threads):
     of the node's cores instead of every core for every rank."""
     import torch
     # Keras' torch backend chose its device when it was imported (before MPI told this rank which
-    # GPU is its own); tests/test_keras_internals.py checks that it still reads it from here.
+    # GPU is its own); tests/test_torch_backend.py checks that it still reads it from here.
     from keras.src.backend.torch import core as keras_torch_core
     gpu = _gpu_of_this_rank(local_rank, local_size, torch.cuda.device_count())
     if gpu is not None:
