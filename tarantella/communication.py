@@ -996,7 +996,7 @@ def _configure_torch(local_rank, local_size, threads):
     if gpu is not None:
         torch.cuda.set_device(gpu)
         keras_torch_core.DEFAULT_DEVICE = f"cuda:{gpu}"
-    elif keras_torch_core.DEFAULT_DEVICE != "cpu":
+    else:
         keras_torch_core.DEFAULT_DEVICE = "cpu"
     if threads:
         torch.set_num_threads(threads)

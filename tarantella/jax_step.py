@@ -317,17 +317,20 @@ class JaxStep:
     def _sum_in_place(self, context, sums, *buckets_and_unread):
         """Sums every bucket over ranks where it lies: each of `sums` is XLA's buffer of its
         bucket, valid while this runs."""
-        for index, total in enumerate(sums):
-            self._comm.submit_bucket(index, len(sums), np.asarray(total).reshape(-1), agreed=True)
-        self._comm.collect_buckets()
+        self._sum_flat([np.asarray(total).reshape(-1) for total in sums])
 
     def _sum_copies(self, count, *buckets_and_unread):
         """The sums over ranks of the first `count` arrays, host copies of a GPU's buckets."""
-        sums = [np.array(bucket).reshape(-1) for bucket in buckets_and_unread[:count]]
-        for index, total in enumerate(sums):
-            self._comm.submit_bucket(index, count, total, agreed=True)
+        buckets = buckets_and_unread[:count]
+        sums = [np.array(bucket).reshape(-1) for bucket in buckets]
+        self._sum_flat(sums)
+        return [total.reshape(np.shape(bucket)) for total, bucket in zip(sums, buckets)]
+
+    def _sum_flat(self, arrays):
+        """Sums each 1-D array over ranks in place, as one round of gradient buckets."""
+        for index, array in enumerate(arrays):
+            self._comm.submit_bucket(index, len(arrays), array, agreed=True)
         self._comm.collect_buckets()
-        return [total.reshape(np.shape(bucket)) for total, bucket in zip(sums, buckets_and_unread)]
 
     def _add_global_increments(self, sequence, metric_state, increments, contributes, after=None):
         """The metric state advanced by the increments of every rank. `after` (optional, an

@@ -10,8 +10,8 @@ from tarantella import rank_entry
 # Variables every rank on every host gets from the launcher's environment (Open MPI, unlike
 # Hydra, passes almost nothing on by itself).
 # TensorFlow's variables by their documented prefixes, not every TF_ (Terraform uses TF_ too).
-FORWARDED_PREFIXES = ("TNT_", "KERAS_", "JAX_", "XLA_", "MPI4PY_", "TF_CPP_", "TF_ENABLE_", "TF_FORCE_", "TF_GPU_", "TF_XLA_",
-                      "TF_NUM_", "TF_CUDNN_", "TF_DETERMINISTIC_", "TF_USE_LEGACY_KERAS")
+FORWARDED_PREFIXES = ("TNT_", "KERAS_", "JAX_", "XLA_", "MPI4PY_", "TF_CPP_", "TF_ENABLE_", "TF_FORCE_", "TF_GPU_",
+                      "TF_XLA_", "TF_NUM_", "TF_CUDNN_", "TF_DETERMINISTIC_", "TF_USE_LEGACY_KERAS")
 FORWARDED_NAMES = ("PYTHONPATH",)
 # What every rank runs first, as a file (rank_entry.py says why).
 RANK_ENTRY = os.path.abspath(rank_entry.__file__)

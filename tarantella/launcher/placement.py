@@ -136,20 +136,21 @@ def place_ranks(options, hosts, gpus):
     if per_node is None and hosts and not options.hostfile:
         per_node = _slurm_ranks_per_node()
     warnings = []
+    shared = bool(gpus) and config.share_gpus()  # TNT_SHARE_GPUS: more ranks than GPUs share them
     if per_node is None:
         per_node = gpus or 1
         if not gpus and not options.no_gpu:
             warnings.append("no GPU found, so one rank per node runs on CPU. Choose the number of ranks with "
                             "-n or --n-per-node; --no-gpu silences this warning.")
-    elif gpus < per_node and not options.no_gpu and not (gpus and config.share_gpus()):
+    elif gpus < per_node and not options.no_gpu and not shared:
         fix = (f"Use --n-per-node {gpus} to train on the GPUs, or TNT_SHARE_GPUS=true to let the ranks share "
                "them; --no-gpu" if gpus else "--no-gpu")
         warnings.append(f"{per_node} ranks per node but {f'only {gpus}' if gpus else 'no'} GPU(s), so every "
                         f"rank runs on CPU. {fix} silences this warning.")
     if options.pin_to_socket or options.pin_memory_to_socket:
         _check_numa_nodes(per_node)
-    return Placement(hosts, per_node, use_gpu=bool(gpus) and (gpus >= per_node or config.share_gpus()) and not options.no_gpu,
-                     warnings=warnings)
+    on_gpus = bool(gpus) and (gpus >= per_node or shared) and not options.no_gpu
+    return Placement(hosts, per_node, use_gpu=on_gpus, warnings=warnings)
 
 
 def _check_numa_nodes(per_node):
