@@ -3,8 +3,10 @@
 A step module makes the wrapped model's Keras steps global: its object, built by
 `for_model`, has `train`, `test` and `predict` (called as the backend's trainer calls
 `train_step`, `test_step` and `predict_step`), `optimizers()`, `local_metric_state`,
-`wrap_predict_function`, which may gather predictions outside the compiled step, and
-`expect_global_batch_size(size)`, told before fit the global batch size of its data (or None). Everything
+`wrap_function(kind, function)`, which wraps Keras' train, test or predict function (to gather
+predictions outside the compiled step, say), `expect_global_batch_size(size)`, told before fit the
+global batch size of its data (or None), and `expect_unknown_length(kind, spec)`, told the spec of
+global batches whose number TensorFlow cannot tell (or None). Everything
 around the steps (data splitting, the communicator, callbacks, saving, the launcher) is shared.
 """
 

@@ -368,6 +368,10 @@ class Communicator:
         """Overwrites the uint8 array `buffer` with the root's copy."""
         self.run(what, lambda comm: comm.Bcast(buffer, root=root), agree_on=f"{what} of {buffer.nbytes} bytes")
 
+    def broadcast_object(self, obj, what):
+        """The master's `obj` (any picklable object), on every rank."""
+        return self.run(what, lambda comm: comm.bcast(obj, root=MASTER_RANK))
+
     def allgather_interleaved_rows(self, arrays, what):
         """Gathers row-split arrays back into global order.
 
@@ -755,6 +759,9 @@ class _SerialComm:
 
     def Bcast(self, buffer, root=0):
         pass
+
+    def bcast(self, obj, root=0):
+        return obj
 
     def allgather(self, obj):
         return [obj]

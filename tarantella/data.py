@@ -11,19 +11,20 @@ without a seed gets a fixed default one. The per-sample `map`s placed directly b
 its own rows: the global batch is never built.
 """
 
-import contextlib
 import logging
 import os
 import struct
-import sys
 
 import keras
 import numpy as np
 import tensorflow as tf
+# Keras' array adapter and its conversions, for arrays tarantella shuffles itself
+# (seeded_shuffle_of_arrays); tests/test_keras_internals.py checks them.
+from keras.src.trainers.data_adapters import array_data_adapter, array_slicing
 from tensorflow.python.data.util import structure
 from tensorflow.python.framework import random_seed
 
-from tarantella import communication, config
+from tarantella import communication, config, keras_batches
 
 logger = logging.getLogger("tarantella")
 
@@ -559,7 +560,12 @@ def _reuse(function_wrapper):
 
 
 def rows_of_rank(batch, rank, size):
-    """Rows rank, rank + size, ... of a (dense or ragged) batch tensor."""
+    """Rows rank, rank + size, ... of a batch: a TensorFlow tensor (dense or ragged), or an array of
+    NumPy, JAX or torch (None stays None)."""
+    if batch is None:
+        return None
+    if not isinstance(batch, (tf.Tensor, tf.RaggedTensor, tf.Variable)):
+        return batch[rank::size]
     # A gather, not batch[rank::size]: TensorFlow's CPU kernel for a strided slice copies element
     # by element (LeNet-5's 64 of 128 rows: 300 us against 80 us).
     count = batch.nrows() if isinstance(batch, tf.RaggedTensor) else tf.shape(batch, out_type=tf.int64)[0]
@@ -654,38 +660,49 @@ def is_batched(dataset):
 
 
 class EpochOrder(keras.callbacks.Callback):
-    """Gives each epoch of fit the sample order of that epoch in an uninterrupted run, also when
-    fit starts at a later epoch k (initial_epoch, or BackupAndRestore resuming).
+    """Gives the epochs of a fit resumed from a backup (BackupAndRestore's, or the automatic backups of
+    a restarted job) the sample orders they have in an uninterrupted run.
 
-    A shuffle with reshuffle_each_iteration draws each new iterator's order from a seed
-    generator, so an epoch's order depends on how many iterators fit created before it, and on
-    how many of them were read: most pipelines draw their seeds when an iterator is made, but
-    some only at its first read (a seeded list_files followed by a seeded shuffle). Before
-    epoch k, the dataset therefore makes the iterators an uninterrupted fit would have made,
-    reads one batch from each that fit read, and drops them. A PyDataset's batch order is drawn
-    from the epoch number itself."""
+    An input draws each epoch's order anew: a shuffle with reshuffle_each_iteration from a seed
+    generator when an iterator is made (or, for some pipelines, at its first read), Keras' adapters
+    from NumPy's, Python's or torch's generator. A resumed fit starts at epoch k > its initial epoch,
+    so before that epoch the input draws what the k - initial skipped epochs would have drawn: for a
+    dataset tarantella split, the iterators an uninterrupted fit would have made, one batch read from
+    each that fit read; for an input Keras batches, the same through Keras' own epoch iterator
+    (keras_batches.replay_passes). A fit started at a later epoch by its own `initial_epoch` replays
+    nothing, as in Keras: its input goes on from where the program left it."""
 
-    def __init__(self):
+    def __init__(self, initial_epoch):
         super().__init__()
-        self.epoch = 0
+        self._initial_epoch = initial_epoch
         self._dataset = None
+        self._keras_epoch_iterator = None
         self._started = False
 
     def skip_earlier_passes_of(self, dataset):
         self._dataset = dataset
 
+    def replay_through(self, keras_epoch_iterator):
+        self._keras_epoch_iterator = keras_epoch_iterator
+
     def on_train_begin(self, logs=None):
         self._started = False
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-        if not self._started and self._dataset is not None:
+        if self._started:
+            return
+        self._started = True
+        skipped = epoch - self._initial_epoch
+        if skipped <= 0:
+            return
+        if self._keras_epoch_iterator is not None:
+            keras_batches.replay_passes(self._keras_epoch_iterator, skipped)
+        elif self._dataset is not None:
             per_epoch = keras_iterators_per_epoch(int(self._dataset.cardinality()) >= 0)
-            for _ in range(epoch):
+            for _ in range(skipped):
                 next(iter(self._dataset), None)  # the epoch's own iterator
                 for _ in range(per_epoch - 1):
                     iter(self._dataset)  # Keras' unused one
-        self._started = True
 
 
 def keras_iterators_per_epoch(batches_known):
@@ -701,92 +718,14 @@ def keras_iterators_per_epoch(batches_known):
     return 2 if batches_known else 1
 
 
-def global_batches(method, x, y=None, sample_weight=None, batch_size=None, micro_batch_size=None,
-                   ranks=1, shuffle=False, epoch_order=None):
-    """The user's input as a tf.data.Dataset of global batches.
-
-    `ranks` is how many micro-batches make a global batch: the number of ranks when tarantella
-    distributes the data, 1 when each rank passes its own shard. Datasets, NumPy arrays (and
-    dicts or tuples of them, and tensors) and keras.utils.PyDataset are accepted. A shuffled
-    PyDataset takes each epoch's number from `epoch_order` (an EpochOrder) if given."""
+def global_batches(method, dataset, micro_batch_size=None, ranks=1):
+    """The user's tf.data.Dataset as a dataset of global batches: as it is, or batched with
+    tnt_micro_batch_size x `ranks` (the number of ranks when tarantella distributes the data, 1
+    when each rank passes its own shard) where it yields single samples."""
     if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or
                                          not isinstance(micro_batch_size, int) or micro_batch_size < 1):
         raise ValueError(f"tnt_micro_batch_size must be a positive integer; got {micro_batch_size!r}.")
     wanted = None if micro_batch_size is None else micro_batch_size * ranks
-    if isinstance(x, tf.data.Dataset):
-        _refuse_separate_arrays(method, "a tf.data.Dataset", y, sample_weight, batch_size)
-        return _batched_as_asked(x, wanted, micro_batch_size, ranks)
-    if isinstance(x, keras.utils.PyDataset):
-        _refuse_separate_arrays(method, "a keras.utils.PyDataset", y, sample_weight, batch_size)
-        return _from_py_dataset(x, wanted, micro_batch_size, ranks, shuffle, epoch_order)
-    if is_torch_data_loader(x):
-        _refuse_separate_arrays(method, "a torch.utils.data.DataLoader", y, sample_weight, batch_size)
-        return _from_torch_data_loader(x)
-    if not _is_arrays(x):
-        raise TypeError(
-            f"tnt.Model.{method} takes a tf.data.Dataset, NumPy arrays (or dicts/tuples of them), a "
-            f"keras.utils.PyDataset or a torch DataLoader; got {type(x).__name__}. Wrap generators in a PyDataset or "
-            "tf.data.Dataset.from_generator(...).batch(global_batch_size).")
-    if wanted is not None and batch_size is not None and batch_size != wanted:
-        raise ValueError(
-            f"batch_size={batch_size} is the global batch, but tnt_micro_batch_size={micro_batch_size} "
-            f"x {ranks} ranks = {wanted}. Pass one of the two.")
-    _check_array_lengths(method, x, y, sample_weight)
-    samples = keras.utils.pack_x_y_sample_weight(*(_as_tuples(a) for a in (x, y, sample_weight)))
-    dataset = tf.data.Dataset.from_tensor_slices(samples)
-    # Keras draws an unseeded order; ours is seeded, so all ranks draw alike. No samples: nothing
-    # to shuffle (a shuffle buffer must hold one), and Keras' fit then runs no step.
-    if shuffle is True and int(dataset.cardinality()) > 0:
-        dataset = dataset.shuffle(int(dataset.cardinality()), seed=config.DEFAULT_SHUFFLE_SEED)
-    dataset = dataset.batch(wanted or batch_size or 32)
-    if shuffle == "batch" and int(dataset.cardinality()) > 0:
-        dataset = dataset.shuffle(int(dataset.cardinality()), seed=config.DEFAULT_SHUFFLE_SEED)
-    return dataset
-
-
-def _check_array_lengths(method, x, y, sample_weight):
-    """Keras' check on array inputs: every array holds the same number of samples."""
-    lengths = {name: sorted({len(a) for a in tf.nest.flatten(_as_tuples(arrays))})
-               for name, arrays in (("x", x), ("y", y), ("sample_weight", sample_weight)) if arrays is not None}
-    if len({n for sizes in lengths.values() for n in sizes}) > 1:
-        sizes = " ".join(f"'{name}' sizes: {', '.join(map(str, found))}" for name, found in lengths.items())
-        raise ValueError(f"tnt.Model.{method}: data cardinality is ambiguous: the arrays hold different numbers "
-                         f"of samples ({sizes}). Make sure all arrays contain the same number of samples.")
-
-
-def split_for_validation(x, y, sample_weight, fraction):
-    """Keras' validation_split: the last `fraction` of the samples, taken before shuffling."""
-    if not 0 < fraction < 1:
-        raise ValueError(f"validation_split must be between 0 and 1; got {fraction}.")
-    count = len(tf.nest.flatten(x)[0])
-    split_at = int(count * (1.0 - fraction))
-    def rows(selection):
-        return tuple(None if a is None else tf.nest.map_structure(lambda t: t[selection], _as_tuples(a))
-                     for a in (x, y, sample_weight))
-
-    return rows(slice(None, split_at)), rows(slice(split_at, None))
-
-
-def count_batches(dataset):
-    """Batches in one pass over the dataset (-1: endless); counts by iterating if TF cannot tell."""
-    count = int(dataset.cardinality())
-    if count == tf.data.UNKNOWN_CARDINALITY:
-        count = int(dataset.reduce(np.int64(0), lambda counted, _: counted + 1))
-    return count
-
-
-def _refuse_separate_arrays(method, kind, y, sample_weight, batch_size):
-    if y is not None or sample_weight is not None:
-        raise ValueError(f"tnt.Model.{method}: with {kind}, labels and sample weights belong inside its "
-                         "elements, as (x, y) or (x, y, sample_weight); do not pass y= or sample_weight=.")
-    if batch_size is not None:
-        raise ValueError(
-            f"tnt.Model.{method}: batch_size={batch_size} cannot be combined with {kind}, which is "
-            "batched already (with the global batch size). Remove batch_size=, or pass an unbatched "
-            "dataset with tnt_micro_batch_size=.")
-
-
-def _batched_as_asked(dataset, wanted, micro_batch_size, ranks):
     if not is_batched(dataset):
         if wanted is None:
             raise ValueError(
@@ -804,110 +743,41 @@ def _batched_as_asked(dataset, wanted, micro_batch_size, ranks):
     return dataset
 
 
-def _from_py_dataset(py_dataset, wanted, micro_batch_size, ranks, shuffle, epoch_order):
-    batches = py_dataset.num_batches
-    if batches is None:
-        raise ValueError("tarantella needs a PyDataset with a known length (num_batches); an endless one "
-                         "cannot be split into the same number of steps on every rank.")
-    first = py_dataset[0]
-    first_size = len(tf.nest.flatten(first)[0])
-    if wanted is not None and first_size != wanted:
+def refuse_separate_arrays(method, y, sample_weight, batch_size):
+    """A tf.data.Dataset carries its labels and weights, and is batched already."""
+    if y is not None or sample_weight is not None:
+        raise ValueError(f"tnt.Model.{method}: with a tf.data.Dataset, labels and sample weights belong inside "
+                         "its elements, as (x, y) or (x, y, sample_weight); do not pass y= or sample_weight=.")
+    if batch_size is not None:
         raise ValueError(
-            f"The PyDataset's batches hold {first_size} samples, but tnt_micro_batch_size={micro_batch_size} "
-            f"x {ranks} ranks = {wanted}. Make its batches hold {wanted} samples.")
-    signature = tf.nest.map_structure(
-        lambda a: tf.TensorSpec((None,) + np.shape(a)[1:], tf.as_dtype(np.asarray(a).dtype)), first)
-
-    epochs = iter(range(2**62))
-
-    def generate():
-        order = np.arange(batches)
-        if shuffle:  # Keras shuffles the batch order each epoch; here seeded, alike on every rank
-            epoch = next(epochs) if epoch_order is None else epoch_order.epoch
-            np.random.default_rng([config.DEFAULT_SHUFFLE_SEED, epoch]).shuffle(order)
-        for index in order:
-            yield py_dataset[int(index)]
-        py_dataset.on_epoch_end()
-
-    dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
-    return dataset.apply(tf.data.experimental.assert_cardinality(batches))  # Keras then knows the steps
+            f"tnt.Model.{method}: batch_size={batch_size} cannot be combined with a tf.data.Dataset, which is "
+            "batched already (with the global batch size). Remove batch_size=, or pass an unbatched "
+            "dataset with tnt_micro_batch_size=.")
 
 
-def is_torch_data_loader(x):
-    """Whether `x` is a torch.utils.data.DataLoader (without importing torch where it is not in use)."""
-    torch_data = sys.modules.get("torch.utils.data")
-    return torch_data is not None and isinstance(x, torch_data.DataLoader)
+def seeded_shuffle_of_arrays(x, y, sample_weight, batch_size, shuffle, class_weight):
+    """Arrays as a dataset of global batches in an order drawn from tarantella's fixed seed, new
+    each epoch (keras_batches.needs_own_shuffle: TensorFlow without a global seed, where Keras'
+    own order cannot be drawn alike on every rank). Keras' adapter still checks the arrays, turns
+    `class_weight` into sample weights and converts the arrays; shuffle="batch" permutes the rows
+    within each batch, as Keras does."""
+    adapter = array_data_adapter.ArrayDataAdapter(x, y, sample_weight, batch_size=batch_size,
+                                                  class_weight=class_weight)
+    arrays = array_slicing.convert_to_sliceable(adapter._inputs, target_backend="tensorflow")
+    arrays = tf.nest.map_structure(tf.convert_to_tensor, tuple(arrays) if isinstance(arrays, list) else arrays)
+    samples = tf.data.Dataset.range(adapter._num_samples)
+    if shuffle == "batch":
+        indices = samples.batch(adapter.batch_size).enumerate().map(
+            lambda number, batch: tf.gather(batch, tf.random.experimental.stateless_shuffle(
+                tf.range(tf.size(batch)), seed=[config.DEFAULT_SHUFFLE_SEED, number])))
+    else:
+        indices = samples.shuffle(adapter._num_samples, seed=config.DEFAULT_SHUFFLE_SEED).batch(adapter.batch_size)
+    return indices.map(lambda rows: tf.nest.map_structure(lambda array: tf.gather(array, rows), arrays))
 
 
-# torch's default generator as serial Keras would have it now. Keras-on-torch wraps the dataset
-# tarantella hands it in a DataLoader of its own, whose every pass draws one number from that
-# generator, which serial Keras does not; so the user's DataLoaders draw from this state instead.
-_serial_torch_generator_state = None
-
-
-@contextlib.contextmanager
-def _serial_torch_generator():
-    """Runs the body with torch's default generator in the serial state; leaves it there after."""
-    import torch
-
-    global _serial_torch_generator_state
-    torch.set_rng_state(_serial_torch_generator_state)
-    try:
-        yield
-    finally:
-        _serial_torch_generator_state = torch.get_rng_state()
-
-
-def draw_build_pass_of_torch_data_loader(loader):
-    """Keras-on-torch's fit builds an unbuilt model from the first batch of one extra pass."""
-    with _serial_torch_generator():
-        next(iter(loader))
-
-
-def _from_torch_data_loader(loader):
-    """The DataLoader's batches (global batches) as a dataset; every rank iterates the whole loader and
-    keeps its rows. A shuffling sampler draws from torch's default generator, which the caller makes
-    the master's on every rank, so all ranks see serial Keras' order."""
-    import torch
-
-    global _serial_torch_generator_state
-    try:
-        batches = len(loader)
-    except TypeError:
-        raise ValueError("tarantella needs a DataLoader with a known length (a map-style dataset, or an "
-                         "iterable one with __len__); an endless one cannot be split into the same number of "
-                         "steps on every rank.") from None
-    _serial_torch_generator_state = torch.get_rng_state()
-    with torch.random.fork_rng(devices=[]):  # peeking must not draw a shuffle that serial Keras does not
-        first = next(iter(loader))
-    as_numpy = lambda batch: tf.nest.map_structure(
-        lambda t: t.numpy() if isinstance(t, torch.Tensor) else np.asarray(t), _as_tuples(batch))
-    signature = tf.nest.map_structure(
-        lambda a: tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype)), as_numpy(first))
-
-    def generate():
-        with _serial_torch_generator():
-            passing = iter(loader)
-        for position in range(batches):
-            with _serial_torch_generator():
-                batch = next(passing, None)
-                if position == batches - 1:
-                    # Keras' epoch iterator, having seen every batch, creates the next pass's
-                    # iterator at once (unused): its creation draws the DataLoader's base seed.
-                    iter(loader)
-            if batch is None:
-                return
-            yield as_numpy(batch)
-
-    dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
-    return dataset.apply(tf.data.experimental.assert_cardinality(batches))
-
-
-def _is_arrays(x):
-    leaves = tf.nest.flatten(_as_tuples(x))
-    return bool(leaves) and all(isinstance(a, (np.ndarray, tf.Tensor)) for a in leaves)
-
-
-def _as_tuples(structure):
-    """Keras reads a list of arrays as several inputs; tf.data would stack it into one tensor."""
-    return tuple(structure) if isinstance(structure, list) else structure
+def count_batches(dataset):
+    """Batches in one pass over the dataset (-1: endless); counts by iterating if TF cannot tell."""
+    count = int(dataset.cardinality())
+    if count == tf.data.UNKNOWN_CARDINALITY:
+        count = int(dataset.reduce(np.int64(0), lambda counted, _: counted + 1))
+    return count

@@ -68,6 +68,7 @@ class DistributedStep:
         # The global batch size of the data fit runs on, where known (see expect_global_batch_size).
         self._expected_global_samples = tf.Variable(0.0, dtype=tf.float64, trainable=False,
                                                     name="tnt_expected_global_samples")
+        self._unknown_length_specs = {}  # kind of step -> spec of its global batches (expect_unknown_length)
 
     def train(self, data):
         keras_own_step = type(self._model).train_step is keras.Model.train_step
@@ -88,9 +89,38 @@ class DistributedStep:
             full.set_shape([None] + local.shape[1:])
         return tf.nest.pack_sequence_as(y_pred, gathered)
 
-    def wrap_predict_function(self, predict_function):
-        """Keras' predict function as it is: `predict` gathers inside the step."""
-        return predict_function
+    def wrap_function(self, kind, function):
+        """Keras' train, test or predict function (`kind`), as it runs on this backend: `predict`
+        gathers inside the step; a training or test function that finds data of unknown length
+        exhausted first leaves what serial Keras' call does (see `expect_unknown_length`)."""
+        if kind == "predict":
+            return function
+
+        def ending_as_keras_does(*arguments):
+            try:
+                return function(*arguments)
+            except tf.errors.OutOfRangeError:
+                spec = self._unknown_length_specs.get(kind)
+                if spec is not None:
+                    _keras_call_on_exhausted_data(self._model, kind, spec)
+                raise
+
+        return ending_as_keras_does
+
+    def expect_unknown_length(self, kind, global_batch_spec):
+        """Tells the coming `kind` ("train" or "test") steps the spec of their global batches where
+        TensorFlow cannot tell the data's length (else None).
+
+        Keras' loop then ends each pass with a call that finds the data exhausted, and in serial
+        Keras that call has effects: the ops of its step that need no batch run before the batch
+        is found missing, among them the counts that metrics and the loss tracker add from a
+        static batch size (Keras 3.15: a pass of n full batches logs n/(n+1) of its mean). A rank's
+        micro-batches have no static size, so tarantella's own call adds nothing: after it, the
+        same call of serial Keras' own function runs on an exhausted input of the global spec, and
+        only what it did to the metrics is kept."""
+        batched = [spec for spec in tf.nest.flatten(global_batch_spec or ()) if spec.shape.rank]
+        static = batched and all(spec.shape[0] is not None for spec in batched)
+        self._unknown_length_specs[kind] = global_batch_spec if static else None
 
     def optimizers(self):
         """Every optimizer the wrapped model holds: `optimizer` and any other attribute (a GAN's
@@ -494,6 +524,29 @@ def _weighted(grads, share):
         elif g is not None:
             out[i] = tf.math.multiply_no_nan(g, tf.cast(share, g.dtype))
     return out
+
+
+def _keras_call_on_exhausted_data(model, kind, global_batch_spec):
+    """What serial Keras' own train or test function does to the metrics of `model` when it is
+    called on exhausted data of `global_batch_spec`; every other variable is left as it was."""
+    if kind == "train":
+        model.make_train_function()
+        function = model.train_function
+    else:
+        model.make_test_function()
+        function = model.test_function
+    metric_state = {id(v) for metric in model.metrics for v in metric.variables}
+    optimizers = [getattr(model, "optimizer", None)]
+    others = _unique([v for v in model.variables if id(v) not in metric_state] +
+                     [v for o in optimizers if o is not None for v in o.variables])
+    kept = [(variable, tf.identity(variable.value)) for variable in others]
+    exhausted = tf.data.Dataset.from_generator(lambda: iter(()), output_signature=global_batch_spec)
+    try:
+        function(iter(exhausted))
+    except tf.errors.OutOfRangeError:
+        pass
+    for variable, value in kept:
+        variable.assign(value)
 
 
 def _at_least_one_row(data):

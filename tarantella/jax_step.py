@@ -46,7 +46,7 @@ thread, the one blocked in the callback: the job hung, tests/test_jax_backend.py
 job) and its results out of; then a `buffer_callback` writing into fresh output buffers, whose
 pages the kernel zeroes and faults in anew each step.
 
-Predictions are gathered outside the jitted step (`wrap_predict_function`): the size of the
+Predictions are gathered outside the jitted step (`wrap_function`): the size of the
 global batch is not known to the trace, and a gather needs it for its result's shape.
 
 A rank without samples (a global batch smaller than the number of ranks) runs the step on one
@@ -143,13 +143,19 @@ class JaxStep:
         return self._logs(metric_state), (trainable, non_trainable, metric_state)
 
     def predict(self, state, data):
-        """The rank's own predictions; `wrap_predict_function` gathers them."""
+        """The rank's own predictions; `wrap_function` gathers them."""
         data, samples = _at_least_one_row(data)
         outputs, non_trainable = self._model.predict_step(state, data)
         return jax.tree.map(lambda t: t[:samples], outputs), non_trainable
 
-    def wrap_predict_function(self, predict_function):
-        """Keras' predict function, returning every rank's predictions in sample order."""
+    def expect_unknown_length(self, kind, global_batch_spec):
+        """Not needed here: Keras-on-JAX reads each batch before it runs a step."""
+
+    def wrap_function(self, kind, function):
+        """Keras' `kind` of function as it runs here: the predict function returns every rank's
+        predictions in sample order."""
+        if kind != "predict":
+            return function
         if self._model.steps_per_execution > 1:
             raise NotImplementedError(
                 "predict with steps_per_execution > 1 is not supported on Keras' JAX backend with several "
@@ -157,7 +163,7 @@ class JaxStep:
                 "for predict, or use the TensorFlow backend.")
 
         def gathered(state, iterator):
-            outputs, state = predict_function(state, iterator)
+            outputs, state = function(state, iterator)
             leaves, structure = jax.tree.flatten(outputs)
             every_rank = self._comm.allgather_interleaved_rows([np.asarray(leaf) for leaf in leaves],
                                                                "the gathering of predictions")

@@ -16,17 +16,16 @@ import enum
 import keras
 import numpy as np
 import tensorflow as tf
+# Keras' validation_split, for arrays tarantella shuffles itself; tests/test_keras_internals.py checks it.
+from keras.src.trainers.data_adapters import array_slicing
 
 from tarantella import callbacks as callbacks_module
-from tarantella import agreement, backend_steps, backups, communication, config, data, saving, timeline
+from tarantella import agreement, backend_steps, backups, communication, config, data, keras_batches, saving, timeline
 
 logger = communication.logger
 
 # Below this many samples per rank, per-rank BatchNormalization statistics get noisy.
 _SMALL_BATCH_NORMALIZATION_BATCH = 16
-
-# Inputs that come in batches already, so Keras' batch_size arguments do not apply.
-_BATCHED_INPUTS = (tf.data.Dataset, keras.utils.PyDataset)
 
 # Public names that answer as the wrapped model's, although keras.Model defines them on the
 # wrapper too. Names tarantella changes (fit, save, ...) or that Keras' loop writes on the
@@ -85,6 +84,8 @@ class Model(keras.Model):
         self._weights_synced = False
         self._warned_batch_normalization = False
         self._local_epoch_logs = None
+        self._sources = _BatchSources()
+        self._epoch_order = None  # fit's, while it runs
         self._step = backend_steps.for_model(self._comm, model)
         # On TensorFlow a host-side allreduce cannot live inside an XLA cluster; JAX's jitted step
         # reaches it through callbacks.
@@ -201,50 +202,92 @@ class Model(keras.Model):
         """Keras' fit; batch sizes are global. tnt_micro_batch_size batches an unbatched dataset
         with micro-batch x ranks; tnt_distribute_dataset=False means each rank passes its own shard."""
         self._check_compiled("fit")
-        if validation_split:
-            if isinstance(x, _BATCHED_INPUTS) or data.is_torch_data_loader(x):
-                raise ValueError("validation_split= needs array inputs; pass validation_data= (a dataset "
-                                 "batched with the global batch size) instead.")
-            (x, y, sample_weight), validation_data = data.split_for_validation(x, y, sample_weight,
-                                                                              validation_split)
-        # Keras warns that shuffle=True does nothing for a dataset; for arrays and PyDatasets,
-        # which tarantella turns into datasets and shuffles itself, it would warn where Keras does not.
-        keras_shuffle = shuffle if isinstance(x, tf.data.Dataset) else False
-        epoch_order = data.EpochOrder()
-        users_input = x
-        users_dataset = x if isinstance(x, tf.data.Dataset) else None
-        x = self._input("fit", x, y, sample_weight, batch_size, tnt_micro_batch_size, tnt_distribute_dataset,
-                        shuffle, epoch_order)
-        # Keras keeps one iterator across epochs with steps_per_epoch; a dataset an earlier fit
-        # iterated goes on from its own passes, as in Keras.
-        if steps_per_epoch is None and not getattr(users_dataset, "_tarantella_fitted", False):
-            epoch_order.skip_earlier_passes_of(x)
-        if users_dataset is not None:
+        epoch_order = data.EpochOrder(initial_epoch)
+        unknown_length = {"train": None, "test": None}
+        ranks = self._comm.size if tnt_distribute_dataset else 1
+        by_keras = keras_batches.is_batched_by_keras(x, y, sample_weight)
+        if validation_split and not (by_keras and not isinstance(x, keras.utils.PyDataset)
+                                     and not keras_batches.is_torch_data_loader(x)):
+            raise ValueError("validation_split= needs array inputs; pass validation_data= (a dataset "
+                             "batched with the global batch size) instead.")
+        keras_arguments = {"shuffle": shuffle, "class_weight": class_weight}
+        if by_keras and self._distributed and tnt_distribute_dataset and keras_batches.needs_own_shuffle(x, shuffle):
+            if validation_split and validation_data is None:
+                (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
+                    (x, y, sample_weight), validation_split=validation_split)
+            batch_size = keras_batches.keras_batch_size("fit", x, batch_size, tnt_micro_batch_size, ranks)
+            validation_batch_size = validation_batch_size or batch_size
+            x = data.distribute(data.seeded_shuffle_of_arrays(x, y, sample_weight, batch_size, shuffle, class_weight),
+                                self._comm.rank, self._comm.size)
+            y = sample_weight = None
+            keras_arguments = {"shuffle": False}
+            by_keras = False
+            if steps_per_epoch is None:
+                epoch_order.skip_earlier_passes_of(x)
+        elif by_keras:
+            batch_size = keras_batches.keras_batch_size("fit", x, batch_size, tnt_micro_batch_size, ranks)
+            keras_arguments.update(y=y, sample_weight=sample_weight, batch_size=batch_size,
+                                   validation_split=validation_split)
+            if self._distributed and tnt_distribute_dataset:
+                keras_batches.use_masters_random_state(self._comm)
+        elif isinstance(x, tf.data.Dataset):
+            data.refuse_separate_arrays("fit", y, sample_weight, batch_size)
+            users_dataset = x
+            x = data.global_batches("fit", x, tnt_micro_batch_size, ranks)
+            if tnt_distribute_dataset and steps_per_epoch is None:
+                unknown_length["train"] = _unknown_length_spec(x)
+            x = self._split("fit", x, tnt_distribute_dataset)
+            # Keras keeps one iterator across epochs with steps_per_epoch; a dataset an earlier fit
+            # iterated goes on from its own passes, as in Keras.
+            if steps_per_epoch is None and not getattr(users_dataset, "_tarantella_fitted", False):
+                epoch_order.skip_earlier_passes_of(x)
             users_dataset._tarantella_fitted = True
-        self._draw_build_pass(x, users_input)
+            self._draw_build_pass(x)
+        else:
+            keras_batches.refuse_unknown_input("fit", x)
+        validation_by_keras = bool(validation_split) and by_keras and validation_data is None
         if validation_data is not None:
-            val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(validation_data)
-            validation_data = self._input(
-                "fit (validation_data)", val_x, val_y, val_weight, validation_batch_size or
-                (batch_size if not (isinstance(val_x, _BATCHED_INPUTS) or data.is_torch_data_loader(val_x)) else None),
-                tnt_validation_micro_batch_size, tnt_distribute_validation_dataset, shuffle=False)
+            validation_data, validation_by_keras, unknown_length["test"] = self._validation_input(
+                validation_data, validation_batch_size, tnt_validation_micro_batch_size,
+                tnt_distribute_validation_dataset)
+            if validation_steps is not None:  # Keras then never finds the data exhausted
+                unknown_length["test"] = None
+            if validation_by_keras and tnt_validation_micro_batch_size is not None:
+                validation_batch_size = keras_batches.keras_batch_size(
+                    "fit (validation_data)", validation_data[0], validation_batch_size,
+                    tnt_validation_micro_batch_size, self._comm.size if tnt_distribute_validation_dataset else 1)
+        self._sources.record("train", by_keras, self._distributed and tnt_distribute_dataset, self)
+        self._sources.record("test", validation_by_keras, self._distributed and tnt_distribute_validation_dataset, self)
+        global_batch = self._global_batch_of(x, keras_arguments.get("batch_size"), by_keras, tnt_distribute_dataset)
         if not tnt_distribute_dataset:
-            self._check_same_step_counts(x, steps_per_epoch, "training")
-        if validation_data is not None and not tnt_distribute_validation_dataset:
-            self._check_same_step_counts(validation_data, validation_steps, "validation")
+            count = (keras_batches.batch_count(x, y, sample_weight, keras_arguments.get("batch_size"), steps_per_epoch)
+                     if by_keras else data.count_batches(x))
+            self._check_same_step_counts(count, steps_per_epoch, "training")
+        if validation_data is not None and not validation_by_keras and not tnt_distribute_validation_dataset:
+            self._check_same_step_counts(data.count_batches(validation_data), validation_steps, "validation")
         if self._distributed:
-            self._prepare(x.element_spec, "train")
-            self._warn_small_batch_normalization_batches(x, tnt_distribute_dataset)
-            self._step.expect_global_batch_size(self._global_batch_size(x, tnt_distribute_dataset))
+            if not by_keras:  # inputs Keras batches are built from in _symbolic_build, as Keras does
+                self._prepare(x.element_spec, "train")
+            self._warn_small_batch_normalization_batches(global_batch)
+            self._step.expect_global_batch_size(global_batch)
+            for kind, spec in unknown_length.items():
+                self._step.expect_unknown_length(kind, spec)
         automatic_backups = backups.for_fit(self, callbacks)
         # After the user's callbacks: an epoch's backup holds what they changed at its end.
         callbacks = self._callbacks_for_this_rank(callbacks) + [c for c in (automatic_backups, epoch_order) if c]
-        with self._keras_output_on_master_only():
-            history = super().fit(
-                x, epochs=epochs, verbose=self._verbosity(verbose), callbacks=callbacks,
-                validation_data=validation_data, class_weight=class_weight, initial_epoch=initial_epoch,
-                steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
-                validation_freq=validation_freq, shuffle=keras_shuffle)
+        self._epoch_order = epoch_order
+        self._sources.building = "train"
+        try:
+            with self._keras_output_on_master_only():
+                history = super().fit(
+                    x, epochs=epochs, verbose=self._verbosity(verbose), callbacks=callbacks,
+                    validation_data=validation_data, initial_epoch=initial_epoch,
+                    steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+                    validation_batch_size=validation_batch_size, validation_freq=validation_freq,
+                    **keras_arguments)
+        finally:
+            self._epoch_order = None
+            self._sources.building = None
         if automatic_backups is not None:
             automatic_backups.complete_history(history)
         self._use_masters_statistics()
@@ -258,74 +301,129 @@ class Model(keras.Model):
         if kwargs.get("_use_cached_eval_dataset"):  # validation inside fit: already distributed
             self._use_masters_statistics()
             training_logs = self._local_metrics_result() if self._step.local_metric_state else None
-            result = super().evaluate(x, y, batch_size=batch_size, verbose=verbose, steps=steps,
-                                      callbacks=callbacks, return_dict=return_dict, **kwargs)
+            result = super().evaluate(x, y, batch_size=batch_size, verbose=verbose, sample_weight=sample_weight,
+                                      steps=steps, callbacks=callbacks, return_dict=return_dict, **kwargs)
             if training_logs is not None:  # on_epoch_end comes after validation: keep both
                 validation = {f"val_{name}": value for name, value in self._local_metrics_result().items()}
                 self._local_epoch_logs = {**training_logs, **validation}
             return result
         self._check_compiled("evaluate")
-        x = self._input("evaluate", x, y, sample_weight, batch_size, tnt_micro_batch_size,
-                        tnt_distribute_dataset)
-        if not tnt_distribute_dataset:
-            self._check_same_step_counts(x, steps, "evaluation")
-        if self._distributed:
-            self._prepare(x.element_spec, "test")
-            self._use_masters_statistics()
+        ranks = self._comm.size if tnt_distribute_dataset else 1
+        by_keras = keras_batches.is_batched_by_keras(x, y, sample_weight)
+        keras_arguments = {}
+        if by_keras:
+            batch_size = keras_batches.keras_batch_size("evaluate", x, batch_size, tnt_micro_batch_size, ranks)
+            keras_arguments = {"y": y, "sample_weight": sample_weight, "batch_size": batch_size}
+            if not tnt_distribute_dataset:
+                self._check_same_step_counts(keras_batches.batch_count(x, y, sample_weight, batch_size, steps),
+                                             steps, "evaluation")
+        elif isinstance(x, tf.data.Dataset):
+            data.refuse_separate_arrays("evaluate", y, sample_weight, batch_size)
+            x = data.global_batches("evaluate", x, tnt_micro_batch_size, ranks)
+            unknown_length = _unknown_length_spec(x) if tnt_distribute_dataset and steps is None else None
+            x = self._split("evaluate", x, tnt_distribute_dataset)
+            if not tnt_distribute_dataset:
+                self._check_same_step_counts(data.count_batches(x), steps, "evaluation")
+            if self._distributed:
+                self._prepare(x.element_spec, "test")
+                self._step.expect_unknown_length("test", unknown_length)
+        else:
+            keras_batches.refuse_unknown_input("evaluate", x)
+        self._sources.record("test", by_keras, self._distributed and tnt_distribute_dataset, self)
+        self._use_masters_statistics()
         callbacks = self._callbacks_for_this_rank(callbacks)
         with self._keras_output_on_master_only():
             return super().evaluate(x, verbose=self._verbosity(verbose), steps=steps, callbacks=callbacks,
-                                    return_dict=return_dict, **kwargs)
+                                    return_dict=return_dict, **keras_arguments, **kwargs)
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None,
                 tnt_micro_batch_size=None):
         """Every rank gets every prediction, in the order of the input samples."""
-        x = self._input("predict", x, None, None, batch_size, tnt_micro_batch_size, distribute=True)
-        if self._distributed:
-            self._prepare(x.element_spec, "predict")
-            self._use_masters_statistics()
+        if keras_batches.is_batched_by_keras(x):
+            batch_size = keras_batches.keras_batch_size("predict", x, batch_size, tnt_micro_batch_size, self._comm.size)
+            if self._distributed:
+                unbuilt = not all(layer.built for layer in self._keras_model._flatten_layers())
+                self._prepare(keras_batches.first_batch_spec(x, None, None) if unbuilt else None, "predict")
+            self._sources.record("predict", True, self._distributed, self)
+        elif isinstance(x, tf.data.Dataset):
+            data.refuse_separate_arrays("predict", None, None, batch_size)
+            x = self._split("predict", data.global_batches("predict", x, tnt_micro_batch_size, self._comm.size),
+                            distribute=True)
+            if self._distributed:
+                self._prepare(x.element_spec, "predict")
+            self._sources.record("predict", False, self._distributed, self)
+        else:
+            keras_batches.refuse_unknown_input("predict", x)
+        self._use_masters_statistics()
         callbacks = self._callbacks_for_this_rank(callbacks)
         with self._keras_output_on_master_only():
-            return super().predict(x, verbose=self._verbosity(verbose), steps=steps, callbacks=callbacks)
+            return super().predict(x, batch_size=batch_size, verbose=self._verbosity(verbose), steps=steps,
+                                   callbacks=callbacks)
+
+    # -- Keras' build hooks: where Keras has made its iterator over inputs it batches itself ---------
+
+    def _symbolic_build(self, iterator=None, data_batch=None):
+        """Keras-on-JAX's and on-torch's fit and evaluate call this with their epoch iterator before
+        the first step (tests/test_keras_internals.py checks it): where Keras batches the input, the
+        wrapped model is built from one batch of that iterator exactly when serial Keras would build
+        it so (the pass it draws is part of serial Keras' sequence of orders)."""
+        kind = self._sources.next_build()
+        if iterator is not None and self._sources.by_keras[kind]:
+            keras_batches.build_as_keras_does(self._keras_model, iterator)
+            self._prepare_keras_batched(kind, iterator, element_spec=None)
+        super()._symbolic_build(iterator=iterator, data_batch=data_batch)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        """Keras-on-TensorFlow's fit and evaluate call this with their epoch iterator; TensorFlow
+        builds the wrapped model from the spec of Keras' dataset, which reads no batch."""
+        kind = self._sources.next_build()
+        if iterator is not None and self._sources.by_keras[kind]:
+            self._prepare_keras_batched(kind, iterator, iterator.data_adapter.get_tf_dataset().element_spec)
+        super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+    def _prepare_keras_batched(self, kind, iterator, element_spec):
+        if kind == "train" and self._epoch_order is not None:
+            self._epoch_order.replay_through(iterator)
+        if self._distributed:
+            self._prepare(element_spec, kind)
 
     # -- the steps: the wrapped model's own, made global by DistributedStep -----------------
 
     def make_train_function(self, force=False):
-        new = self.train_function is None or force
-        super().make_train_function(force)
-        if new and timeline.recorder is not None:
-            self.train_function = timeline.recorder.timed_steps(self.train_function, "training step")
-        return self.train_function
+        return self._made("train", force, super().make_train_function, "training step")
 
     def make_test_function(self, force=False):
-        new = self.test_function is None or force
-        super().make_test_function(force)
-        if new and timeline.recorder is not None:
-            self.test_function = timeline.recorder.timed_steps(self.test_function, "test step")
-        return self.test_function
+        return self._made("test", force, super().make_test_function, "test step")
 
     def make_predict_function(self, force=False):
-        new = self.predict_function is None or force
-        super().make_predict_function(force)
-        if new and self._distributed:
-            self.predict_function = self._step.wrap_predict_function(self.predict_function)
-        return self.predict_function
+        return self._made("predict", force, super().make_predict_function, None)
 
-    # The arguments are the backend trainer's: (data) on TensorFlow, (state, data) on JAX.
+    def _made(self, kind, force, make, timed_as):
+        """Keras' `kind` of function, wrapped as the backend's step needs and, with a timeline, timed."""
+        attribute = _BatchSources.FUNCTIONS[kind]
+        new = getattr(self, attribute) is None or force
+        make(force)
+        if new and self._distributed:
+            setattr(self, attribute, self._step.wrap_function(kind, getattr(self, attribute)))
+        if new and timed_as and timeline.recorder is not None:
+            setattr(self, attribute, timeline.recorder.timed_steps(getattr(self, attribute), timed_as))
+        return getattr(self, attribute)
+
+    # The arguments are the backend trainer's: (data) on TensorFlow and torch, (state, data) on JAX.
     def train_step(self, *step_arguments):
         if not self._distributed:
             return self._keras_model.train_step(*step_arguments)
-        return self._step.train(*step_arguments)
+        return self._step.train(*self._sources.rows_of_rank("train", step_arguments, self._comm))
 
     def test_step(self, *step_arguments):
         if not self._distributed:
             return self._keras_model.test_step(*step_arguments)
-        return self._step.test(*step_arguments)
+        return self._step.test(*self._sources.rows_of_rank("test", step_arguments, self._comm))
 
     def predict_step(self, *step_arguments):
         if not self._distributed:
             return self._keras_model.predict_step(*step_arguments)
-        return self._step.predict(*step_arguments)
+        return self._step.predict(*self._sources.rows_of_rank("predict", step_arguments, self._comm))
 
     # -- one global batch, given whole to every rank ------------------------------------------
 
@@ -394,34 +492,45 @@ class Model(keras.Model):
         if not self.compiled:
             raise RuntimeError(f"Call model.compile(optimizer, loss, metrics) before model.{method}().")
 
-    def _input(self, method, x, y, sample_weight, batch_size, micro_batch_size, distribute, shuffle=False,
-               epoch_order=None):
-        """The rank's dataset: global batches built from the user's input, then split (if asked)."""
-        ranks = self._comm.size if distribute else 1
-        if distribute and self._distributed and data.is_torch_data_loader(x):
-            self._use_masters_torch_generator()
-        dataset = data.global_batches(method, x, y, sample_weight, batch_size, micro_batch_size, ranks,
-                                      shuffle, epoch_order)
+    def _split(self, method, dataset, distribute):
+        """The rank's part of a dataset of global batches: its micro-batches, or the dataset itself
+        where each rank passes its own shard."""
         if not distribute:
-            logger.info("%s: automatic data distribution is off; each rank uses the dataset it passed.",
-                        method)
+            logger.info("%s: automatic data distribution is off; each rank uses the dataset it passed.", method)
             return dataset
         return data.distribute(dataset, self._comm.rank, self._comm.size)
 
-    def _use_masters_torch_generator(self):
-        """A shuffling DataLoader draws its order from torch's default generator: every rank takes
-        the master's state, so that all draw serial Keras' order."""
-        import torch
+    def _validation_input(self, validation_data, batch_size, micro_batch_size, distribute):
+        """fit's validation data as Keras takes it, whether Keras batches it, and the spec of its
+        global batches where TensorFlow cannot tell their number (else None): as given for inputs
+        Keras batches itself, else the rank's part of the dataset."""
+        val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(validation_data)
+        if keras_batches.is_batched_by_keras(val_x, val_y, val_weight):
+            return validation_data, True, None
+        method = "fit (validation_data)"
+        if not isinstance(val_x, tf.data.Dataset):
+            keras_batches.refuse_unknown_input(method, val_x)
+        data.refuse_separate_arrays(method, val_y, val_weight, batch_size)
+        ranks = self._comm.size if distribute else 1
+        dataset = data.global_batches(method, val_x, micro_batch_size, ranks)
+        return self._split(method, dataset, distribute), False, _unknown_length_spec(dataset) if distribute else None
 
-        state = torch.get_rng_state().numpy()
-        self._comm.broadcast_bytes(state, "the broadcast of the master's torch generator state")
-        torch.set_rng_state(torch.from_numpy(state))
+    def _global_batch_of(self, x, batch_size, by_keras, distributed_by_us):
+        """The global batch size of fit's steps, or None where it is not known in advance. A dataset
+        tarantella split still shows the global batch; a shard the user made holds the micro-batch."""
+        if not by_keras:
+            batch = data.global_batch_size(x)
+        elif isinstance(x, keras.utils.PyDataset) or keras_batches.is_torch_data_loader(x):
+            batch = None
+        else:
+            batch = batch_size or 32  # Keras' default for arrays
+        return batch if distributed_by_us or batch is None else batch * self._comm.size
 
-    def _check_same_step_counts(self, dataset, steps, purpose):
+    def _check_same_step_counts(self, count, steps, purpose):
         """With data the user sharded, a rank with fewer batches would leave the others waiting."""
         if not self._distributed or steps is not None:
             return
-        counts = self._comm.allgather(data.count_batches(dataset), f"the count of {purpose} batches per rank")
+        counts = self._comm.allgather(count, f"the count of {purpose} batches per rank")
         if len(set(counts)) > 1:
             listing = ", ".join(f"rank {rank}: {count if count >= 0 else 'endless'}"
                                 for rank, count in enumerate(counts))
@@ -430,23 +539,17 @@ class Model(keras.Model):
                 f"batches ({listing}). Every rank must run the same number of steps: give each rank the "
                 "same number of batches (e.g. shard, then take()), or pass the steps argument.")
 
-    def _draw_build_pass(self, dataset, users_input):
+    def _draw_build_pass(self, dataset):
         """Keras-on-JAX's and on-torch's fit build an unbuilt model, or its compiled loss and metrics, from the first
         batch of one extra pass over the dataset, and that pass draws a shuffle order of its own. So
         the pass is drawn here and the wrapped model built from the dataset's spec: the epochs then
         see serial Keras' orders. The pass reads its first batch, as Keras' does: some pipelines draw
         their seeds only then (a shuffled `list_files` under a parallel interleave), and an iterator
         that reads nothing would leave every later epoch one order behind serial Keras'."""
-        wrapped = self._keras_model
-        unbuilt = [state for state in (wrapped._compile_metrics, wrapped._compile_loss)
-                   if state is not None and not state.built]
-        if keras.backend.backend() == "tensorflow" or (wrapped.built and not unbuilt):
+        if keras.backend.backend() == "tensorflow" or not keras_batches.needs_build(self._keras_model):
             return
-        if data.is_torch_data_loader(users_input):
-            data.draw_build_pass_of_torch_data_loader(users_input)
-        else:
-            next(iter(dataset), None)
-        wrapped._symbolic_build(data_batch=dataset.element_spec)
+        next(iter(dataset), None)
+        self._keras_model._symbolic_build(data_batch=dataset.element_spec)
 
     def _callbacks_for_this_rank(self, user_callbacks):
         chosen = callbacks_module.for_this_rank(user_callbacks, self._comm)
@@ -464,17 +567,9 @@ class Model(keras.Model):
         on_master = self._comm.rank == communication.MASTER_RANK
         return verbose if on_master or config.output_on_all_devices() else 0
 
-    def _global_batch_size(self, dataset, distributed_by_us):
-        """The global batch size of the rank's dataset, or None where it is not static. The rank's
-        dataset still shows the global batch when tarantella split it; a shard the user made
-        holds the micro-batch itself."""
-        batch = data.global_batch_size(dataset)
-        return batch if distributed_by_us or batch is None else batch * self._comm.size
-
-    def _warn_small_batch_normalization_batches(self, dataset, distributed_by_us):
+    def _warn_small_batch_normalization_batches(self, global_batch):
         if self._warned_batch_normalization:
             return
-        global_batch = self._global_batch_size(dataset, distributed_by_us)
         # A frozen layer (trainable=False) runs in inference mode in Keras 3: no batch statistics.
         has_batch_normalization = any(isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
                                       and not layer.synchronized for layer in self._flatten_layers())
@@ -506,7 +601,8 @@ class Model(keras.Model):
                     "a keras.Input, or call it once on a batch).")
             _build_compiled_metrics_and_losses(wrapped, element_spec, step)
         elif compiled_state:
-            wrapped._symbolic_build(data_batch=element_spec)
+            with _left_unbuilt(self._step.optimizers()):
+                wrapped._symbolic_build(data_batch=element_spec)
         elif not all(layer.built for layer in wrapped._flatten_layers()):
             x, _, _ = keras.utils.unpack_x_y_sample_weight(element_spec)
             symbolic = tf.nest.map_structure(lambda s: keras.KerasTensor(s.shape, s.dtype.name), x)
@@ -544,6 +640,42 @@ class Model(keras.Model):
             yield
         finally:
             keras.config.enable_interactive_logging()
+
+
+class _BatchSources:
+    """Per kind of step ("train", "test", "predict"): whether Keras' own adapter batches its input
+    (arrays, a PyDataset, a DataLoader: keras_batches.py) and, if so, whether the step receives
+    every global batch whole and keeps the rank's rows (tarantella distributes it on 2+ ranks)."""
+
+    FUNCTIONS = {"train": "train_function", "test": "test_function", "predict": "predict_function"}
+
+    def __init__(self):
+        self.by_keras = dict.fromkeys(self.FUNCTIONS, False)
+        self.keeps_rows = dict.fromkeys(self.FUNCTIONS, False)
+        self.building = None  # "train" from fit's start until Keras builds for its training
+
+    def record(self, kind, by_keras, distributed_by_tarantella, model):
+        """Sets the coming `kind` of step's source; a step traced for the other one is traced anew."""
+        self.by_keras[kind] = by_keras
+        keeps_rows = by_keras and distributed_by_tarantella
+        if keeps_rows != self.keeps_rows[kind]:
+            self.keeps_rows[kind] = keeps_rows
+            setattr(model, self.FUNCTIONS[kind], None)
+
+    def next_build(self):
+        """The kind of step Keras builds for now: fit's first build is for training, every later one
+        (its validation, evaluate) for testing."""
+        kind, self.building = self.building or "test", None
+        return kind
+
+    def rows_of_rank(self, kind, step_arguments, comm):
+        """The step's arguments with its batch (the last one) cut to the rank's rows where the step
+        receives global batches."""
+        if not self.keeps_rows[kind]:
+            return step_arguments
+        *state, batch = step_arguments
+        rows = tf.nest.map_structure(lambda leaf: data.rows_of_rank(leaf, comm.rank, comm.size), batch)
+        return (*state, rows)
 
 
 class Sequential(Model):
@@ -596,6 +728,28 @@ def jax_platform_refusal(platform):
         return None
     return (f"tnt.Model on Keras' JAX backend runs on CPUs and GPUs only yet, and this rank's JAX runs on "
             f"{platform!r}. Set JAX_PLATFORMS=cpu (or cuda) for the job, or use KERAS_BACKEND=tensorflow.")
+
+
+@contextlib.contextmanager
+def _left_unbuilt(optimizers):
+    """Building the model for a distributed step builds no optimizer: Keras-on-TensorFlow builds it
+    inside the first traced step, and the result can depend on it (ScheduleFreeAdamW's momentum,
+    assigned in its `build`, is then assigned in every step). Where fit builds it first (on JAX and
+    torch), it is built by then. A fresh optimizer's state is alike on every rank, as the weights it
+    is built from are."""
+    unbuilt = [optimizer for optimizer in optimizers if not optimizer.built]
+    for optimizer in unbuilt:
+        optimizer.built = True
+    try:
+        yield
+    finally:
+        for optimizer in unbuilt:
+            optimizer.built = False
+
+
+def _unknown_length_spec(dataset):
+    """The spec of a dataset's global batches where TensorFlow cannot tell their number, else None."""
+    return dataset.element_spec if int(dataset.cardinality()) == tf.data.UNKNOWN_CARDINALITY else None
 
 
 def _overrides(model, method):

@@ -75,9 +75,12 @@ class TorchStep:
         optimizer = getattr(self._model, "optimizer", None)
         return [optimizer] if isinstance(optimizer, keras.optimizers.Optimizer) else []
 
-    def wrap_predict_function(self, predict_function):
-        """Keras' predict function as it is: `predict` gathers inside the step."""
-        return predict_function
+    def expect_unknown_length(self, kind, global_batch_spec):
+        """Not needed here: Keras-on-torch reads each batch before it runs a step."""
+
+    def wrap_function(self, kind, function):
+        """Keras' functions as they are: `predict` gathers inside the step."""
+        return function
 
     # -- the steps, with Keras' torch trainer's signatures --------------------------------------
 

@@ -149,9 +149,16 @@ CASES = [(name, ranks) for name in sorted(PIPELINES_1_TO_4_RANKS) for ranks in (
     [(name, ranks) for name in sorted(PIPELINES_AFTER_BATCH) for ranks in (2, 3)]
 
 
+# Pipelines whose order is random where nothing seeds them (an unseeded shuffle without a global
+# seed, a parallel interleave with deterministic=False): no two runs agree, so their reference is
+# tarantella's one order for every rank; every other pipeline is compared with itself, untouched.
+RANDOM_UNTOUCHED = {"unseeded-shuffle", "png-files", "shuffled-records", "interleaved-records"}
+
+
 @pytest.mark.parametrize("pipeline,ranks", CASES)
 def test_micro_batches_make_up_the_global_batch(pipeline, ranks):
-    reference = batches(data.distribute(PIPELINES[pipeline](), 0, 1))
+    untouched = PIPELINES[pipeline]()
+    reference = batches(data.distribute(untouched, 0, 1) if pipeline in RANDOM_UNTOUCHED else untouched)
     shards = [batches(data.distribute(PIPELINES[pipeline](), rank, ranks)) for rank in range(ranks)]
     for rank_batches in shards:
         assert len(rank_batches) == len(reference), "every rank must run the same number of steps"

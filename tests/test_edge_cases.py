@@ -60,8 +60,9 @@ def test_numpy_inputs_warn_and_fail_as_keras_does():
     for rank in range(2):
         assert f"rank {rank}: warnings []" in process.stdout, process.stdout
         assert f"rank {rank}: empty fit history {{}}" in process.stdout, process.stdout
-        assert f"rank {rank}: mismatch tnt.Model.fit: data cardinality is ambiguous" in process.stdout
-        assert "'x' sizes: 10 'y' sizes: 9" in process.stdout
+        # Keras' own check and words: the arrays go to Keras' adapter as in a serial run
+        assert f"rank {rank}: mismatch Data cardinality is ambiguous" in process.stdout
+    assert "'x' sizes: 10\n'y' sizes: 9" in process.stdout
 
 
 @pytest.mark.parametrize("loss, training_openings", [("mean", 0), ("sum", 10)])

@@ -21,7 +21,7 @@ def test_each_bad_input_gets_the_same_clear_error_on_every_rank():
     expected = {
         "fit before compile": "RuntimeError: Call model.compile",
         "Ftrl": "ValueError: tnt.Model does not support the Ftrl optimizer",
-        "generator input": "TypeError: tnt.Model.fit takes a tf.data.Dataset, NumPy arrays",
+        "generator input": "TypeError: tnt.Model.fit takes a tf.data.Dataset, arrays (NumPy or tensors",
         "numpy with a wrong micro-batch": "ValueError: batch_size=5 is the global batch, but "
                                           "tnt_micro_batch_size=4 x 2 ranks = 8",
         "batch_size with dataset": "ValueError: tnt.Model.fit: batch_size=16 cannot be combined",

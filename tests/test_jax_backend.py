@@ -97,6 +97,8 @@ def test_masked_weighted_and_summed_losses_train_like_serial_keras_on_jax(ranks,
     assert_ranks_like_serial(loss_serial_dir, out, cases, ranks, "JAX")
 
 
+SYNCHRONIZED_MOMENTS_RTOL = 5e-6
+
 # The conv net on 2 ranks takes about 55 s on 2 cores (a serial process, then the ranks), so the
 # default slice runs the quick case, whose serial reference trains in the ranks' processes.
 @pytest.mark.parametrize("ranks, cases", [
@@ -121,7 +123,9 @@ def test_synchronized_batch_normalization_trains_like_serial_keras_on_jax(ranks,
                              env=JAX))
     assert_ok(launch(ranks, SYNC_BN_WORKER, "--mode", "tnt", "--out", out, "--cases", ",".join(cases), *in_process,
                      env=JAX))
-    assert_ranks_like_serial(serial, out, cases, ranks, "JAX")
+    # The global moments are combined in float64 from each rank's float32 ones, where Keras takes the
+    # batch's in float32: with fit's shuffle, Adam grows that rounding to 1.3e-5 on a weight of 7.5.
+    assert_ranks_like_serial(serial, out, cases, ranks, "JAX", weights_rtol=SYNCHRONIZED_MOMENTS_RTOL)
 
 
 @pytest.mark.parametrize("feature, named", [

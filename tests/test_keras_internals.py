@@ -180,3 +180,85 @@ def test_synchronized_batch_normalization_calls_the_backend_moments_tarantella_r
     script.write_text(_MOMENTS_ON_BACKEND.format(backend=backend))
     process = run_python(script, env={"KERAS_BACKEND": backend}, timeout=300)
     assert process.returncode == 0 and "checked" in process.stdout, process.stdout[-2000:] + process.stderr[-3000:]
+
+
+# tarantella/keras_batches.py hands arrays, PyDatasets and DataLoaders to Keras' own adapters and
+# relies on how Keras' trainers drive them; each backend runs in its own process.
+_KERAS_BATCHES_ON_BACKEND = """
+import random
+import numpy as np
+import keras
+from keras.src.trainers.data_adapters import array_data_adapter, array_slicing
+
+backend = keras.backend.backend()
+# Which inputs Keras slices as arrays.
+assert array_data_adapter.can_convert_arrays((np.ones((4, 2)), np.ones(4), None))
+assert not array_data_adapter.can_convert_arrays((iter([1, 2]), None, None))
+# validation_split: the last part of the samples, before any shuffle.
+(x, y, w), (vx, vy, vw) = array_slicing.train_validation_split((np.arange(10), np.arange(10), None), 0.2)
+assert list(vx) == [8, 9] and list(x) == list(range(8)) and w is None and vw is None
+adapter = array_data_adapter.ArrayDataAdapter(np.arange(10.0), np.arange(10), batch_size=4, class_weight={0: 2.0})
+assert adapter._num_samples == 10 and adapter.batch_size == 4 and len(adapter._inputs) == 3
+
+builds = []
+class Recorded(keras.Sequential):
+    def _symbolic_build(self, iterator=None, data_batch=None):
+        builds.append(type(iterator).__name__)
+        return super()._symbolic_build(iterator=iterator, data_batch=data_batch)
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        builds.append(type(iterator).__name__)
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+epochs_seen = []
+class Epochs(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        epochs_seen.append(epoch)
+
+model = Recorded([keras.layers.Dense(1)])
+model.compile("sgd", "mse")
+model.fit(np.ones((6, 2), "float32"), np.ones(6, "float32"), batch_size=2, epochs=2, verbose=0, callbacks=[Epochs()])
+model.evaluate(np.ones((6, 2), "float32"), np.ones(6, "float32"), batch_size=2, verbose=0)
+# fit's build hook, then evaluate's, each given the epoch iterator over the arrays
+assert len(builds) == 2 and all(name.endswith("EpochIterator") for name in builds), builds
+
+# What replay_passes reads of an epoch iterator, and Keras' iterator per epoch plus the next one.
+from keras.src.trainers.epoch_iterator import EpochIterator
+made = []
+class Counting(EpochIterator):
+    def _get_iterator(self):
+        made.append(1)
+        return super()._get_iterator()
+iterator = Counting(x=np.ones((6, 2)), batch_size=2)
+assert iterator.num_batches == 3 and hasattr(iterator.data_adapter, "on_epoch_begin")
+for _ in range(2):
+    for _ in iterator:
+        pass
+assert len(made) == 2 * 2, made  # each epoch's iterator and the one made for the next epoch
+print("checked")
+"""
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_keras_builds_from_its_own_epoch_iterator_over_the_inputs_it_batches(backend, tmp_path):
+    """keras_batches.py hands arrays, PyDatasets and DataLoaders to Keras' adapters: it needs Keras'
+    test of array inputs, its validation split and array adapter, the build hook each backend's
+    fit and evaluate call with their epoch iterator (_symbolic_build on JAX and torch,
+    _maybe_symbolic_build on TensorFlow), and the epoch iterator's parts it replays."""
+    if importlib.util.find_spec(backend) is None:
+        pytest.skip(f"{backend} is not installed")
+    script = tmp_path / "keras_batches.py"
+    script.write_text(_KERAS_BATCHES_ON_BACKEND)
+    process = run_python(script, env={"KERAS_BACKEND": backend}, timeout=300)
+    assert process.returncode == 0 and "checked" in process.stdout, process.stdout[-2000:] + process.stderr[-3000:]
+
+
+def test_tensorflow_tells_whether_a_global_seed_is_set():
+    """keras_batches.needs_own_shuffle: without a global seed, Keras' tf.random.shuffle draws a
+    different order in every process."""
+    tf.random.set_seed(None)
+    assert tf.compat.v1.get_seed(None)[0] is None
+    keras.utils.set_random_seed(3)
+    try:
+        assert tf.compat.v1.get_seed(None)[0] == 3
+    finally:
+        tf.random.set_seed(None)

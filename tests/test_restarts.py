@@ -62,6 +62,18 @@ def uninterrupted(tmp_path_factory, ranks=2, *worker_arguments):
     return _references[key]
 
 
+def serial_keras(tmp_path_factory, *worker_arguments):
+    """The master's results of the same job run by plain Keras, without tarantella, once per session."""
+    key = ("serial", worker_arguments)
+    if key not in _references:
+        out = tmp_path_factory.mktemp("serial")
+        process = subprocess.run([sys.executable, str(JOB), str(out), "--serial", *worker_arguments],
+                                 capture_output=True, text=True, env=quiet_env(), timeout=300, cwd=out)
+        assert process.returncode == 0, report(process)
+        _references[key] = load_npz(out / "weights.npz")
+    return _references[key]
+
+
 def assert_same_results(result, expected, exact=True):
     assert sorted(result) == sorted(expected)
     for key in expected:
@@ -213,6 +225,18 @@ def test_a_rank_killed_mid_epoch_resumes_and_ends_with_the_uninterrupted_weights
     assert os.listdir(tmp_path) == ["weights.npz"], "the backups are removed after a good end"
 
 
+def test_a_job_killed_mid_epoch_and_restarted_ends_with_serial_keras_weights(tmp_path, tmp_path_factory):
+    """fit's defaults on arrays (shuffle=True) in a seeded script, without Dropout (its masks depend
+    on the number of ranks): the resumed epochs take serial Keras' own orders."""
+    expected = serial_keras(tmp_path_factory, "--no-dropout")
+    process = tarantella("-n", 2, "--no-gpu", "--max-restarts", 1, "--backup-every-steps", 2, "--", JOB, tmp_path,
+                         "--no-dropout", cwd=tmp_path, env={"FAULT": "attempt=0,rank=1,fit=1,epoch=2,step=3,how=kill"})
+    assert process.returncode == 0, report(process)
+    lines = restart_lines(process.stderr)
+    assert len(lines) == 1 and lines[0].group(5).startswith("fit #1 at epoch 3, step 2 "), report(process)
+    assert_same_results(load_npz(tmp_path / "weights.npz"), expected, exact=False)
+
+
 # -- the rest: TNT_RESTART_TESTS=1 ------------------------------------------------------------------
 
 @every_test
@@ -234,6 +258,22 @@ def test_resuming_equals_the_uninterrupted_run_for_every_input(kind, where, tmp_
     resumed_at = "epoch 3, step 3" if where == "mid-epoch" else "epoch 3, step 0"
     assert lines[0].group(5).startswith(f"fit #1 at {resumed_at} "), lines[0].group(0)
     assert_same_results(load_npz(tmp_path / "weights.npz"), expected)
+
+
+@every_test
+@pytest.mark.parametrize("kind", ["arrays", "dataset", "pydataset", "files"])
+def test_a_resumed_job_ends_with_serial_keras_weights_for_every_input(kind, tmp_path, tmp_path_factory):
+    if kind == "files":
+        files = _references.setdefault("files", files_for(tmp_path_factory))
+        extra = ("--input", "files", "--files", files, "--no-dropout")
+    else:
+        extra = ("--input", kind, "--no-dropout")
+    expected = serial_keras(tmp_path_factory, *extra)
+    process = tarantella("-n", 3, "--no-gpu", "--max-restarts", 1, "--backup-every-steps", 3, "--", JOB, tmp_path,
+                         *extra, cwd=tmp_path, env={"FAULT": "attempt=0,rank=2,fit=1,epoch=1,step=4,how=raise"})
+    assert process.returncode == 0, report(process)
+    assert len(restart_lines(process.stderr)) == 1, report(process)
+    assert_same_results(load_npz(tmp_path / "weights.npz"), expected, exact=False)
 
 
 @every_test

@@ -46,7 +46,7 @@ needs_all = pytest.mark.skipif(not ALL, reason="the whole torch matrix runs with
 # case on 2 ranks, and on 3 ranks also the uneven-split ones of tests/test_equivalence.py.
 TORCH_TRAIN_CASES = [case for case in TRAIN_CASE_NAMES if case != "mlp-steps-per-execution"]
 DEFAULT_TRAIN_CASES = {2: ["mlp-adam", "mlp-batch71", "mlp-batch2", "tuple-adam", "wide-mlp-adam"],
-                       3: ["mlp-batch71", "mlp-batch2", "lenet5-momentum", "mlp-unseeded-shuffle"]}
+                       3: ["mlp-batch71", "mlp-batch2", "lenet5-momentum", "mlp-shuffle-without-seed"]}
 TRAIN_CASES = DEFAULT_TRAIN_CASES if not ALL else {
     2: TORCH_TRAIN_CASES,
     3: DEFAULT_TRAIN_CASES[3] + [case for case in UNEVEN_SPLIT_CASES

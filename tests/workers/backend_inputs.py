@@ -15,12 +15,10 @@ that record_files.write filled (the test writes the files once, for every proces
 - pydataset: a PyDataset of global batches of 71 (135 samples: uneven micro-batches on 2 and 3
   ranks), a PyDataset as validation data, evaluate and predict on one; a callback wrapped in
   tnt.keras.callbacks.Callback records every batch's logs (global: equal to serial Keras').
-- pydataset-shuffled: fit(..., shuffle=True) for 3 epochs, batches of 16 (the last of 7).
-  Serial Keras draws the batch order with Python's unseeded `random.shuffle`; tarantella draws
-  its own, seeded, the same on every rank and in every run (docs/guide.md, "Other inputs"):
-  epoch e's order is `numpy.random.default_rng([42, e]).permutation`. The serial reference gets
-  that order from an unshuffled PyDataset, so the test checks that the ranks together train on
-  the shuffled global batches exactly as one process does.
+- pydataset-shuffled: fit(..., shuffle=True) for 3 epochs, batches of 16 (the last of 7): Keras
+  draws the batch order with Python's `random`, which the script's set_random_seed seeds, and
+  the PyDataset's own on_epoch_end reshuffles its rows with NumPy's generator, as keras-io's
+  PyDatasets do: both orders are serial Keras' own.
 - numpy-batch71: arrays with sample weights, validation_split=0.2, global batch 71.
 - numpy-batch2: 9 samples in global batches of 2: the last one, of 1 sample, leaves every rank
   but one without samples.
@@ -36,7 +34,6 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 SAMPLES = 135
-SHUFFLE_SEED = 42  # tarantella's seed for shuffled PyDatasets and arrays (tarantella/config.py)
 
 # The pipelines of tests/workers/record_files.py (imported in run_case: it imports TensorFlow,
 # which the tnt mode imports after tarantella).
@@ -71,24 +68,26 @@ def arrays(np):
     return features, rng.integers(0, 5, SAMPLES), rng.uniform(0.0, 2.0, SAMPLES).astype("float32")
 
 
-def py_dataset_class(keras):
+def py_dataset_class(keras, np):
     class Batches(keras.utils.PyDataset):
-        """The rows of `features` and `labels` in batches of `size`; with `orders`, batch i of epoch
-        e is batch orders[e][i] (the order tarantella draws for a shuffled PyDataset)."""
+        """The rows of `features` and `labels` in batches of `size`; with `reshuffle`, the rows are
+        put in a new order after every epoch, with NumPy's generator (as keras-io's PyDatasets do)."""
 
-        def __init__(self, features, labels, size, orders=None):
+        def __init__(self, features, labels, size, reshuffle=False):
             super().__init__()
-            self.features, self.labels, self.size, self.orders = features, labels, size, orders
-            self.epoch = 0
+            self.features, self.labels, self.size, self.reshuffle = features, labels, size, reshuffle
+            self.rows = np.arange(len(features))
 
         def __len__(self):
             return -(-len(self.features) // self.size)
 
         def __getitem__(self, index):
-            if self.orders is not None:
-                index = int(self.orders[self.epoch][index])
-            rows = slice(index * self.size, (index + 1) * self.size)
+            rows = self.rows[index * self.size:(index + 1) * self.size]
             return self.features[rows], self.labels[rows]
+
+        def on_epoch_end(self):
+            if self.reshuffle:
+                np.random.shuffle(self.rows)
 
     return Batches
 
@@ -132,39 +131,30 @@ def run_case(name, mode, out_dir, files):
         results["evaluation"] = np.array(model.evaluate(pipeline(), verbose=0))
         results["predictions"] = model.predict(pipeline(), verbose=0)
     elif name == "pydataset":
-        Batches = py_dataset_class(keras)
+        Batches = py_dataset_class(keras, np)
         features, labels, _ = arrays(np)
         recorder = logs_recorder(keras)()
         callback = tnt.keras.callbacks.Callback(recorder, aggregate_logs=True) if tnt else recorder
-        history = model.fit(Batches(features, labels, 71), epochs=2, shuffle=False, verbose=0, callbacks=[callback],
+        history = model.fit(Batches(features, labels, 71), epochs=2, verbose=0, callbacks=[callback],
                             validation_data=Batches(features[:50], labels[:50], 20))
         results["batch_logs"] = np.array(recorder.rows)
         results["evaluation"] = np.array(model.evaluate(Batches(features, labels, 40), verbose=0))
         results["predictions"] = model.predict(Batches(features, labels, 40), verbose=0)
     elif name == "pydataset-shuffled":
-        Batches = py_dataset_class(keras)
+        Batches = py_dataset_class(keras, np)
         features, labels, _ = arrays(np)
-        epochs = 3
-        if tnt:
-            history = model.fit(Batches(features, labels, 16), epochs=epochs, shuffle=True, verbose=0)
-        else:
-            batches = len(Batches(features, labels, 16))
-            orders = [np.random.default_rng([SHUFFLE_SEED, epoch]).permutation(batches) for epoch in range(epochs)]
-            reordered = Batches(features, labels, 16, orders)
-            epoch_of = keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: setattr(reordered, "epoch",
-                                                                                                 epoch))
-            history = model.fit(reordered, epochs=epochs, shuffle=False, verbose=0, callbacks=[epoch_of])
+        history = model.fit(Batches(features, labels, 16, reshuffle=True), epochs=3, shuffle=True, verbose=0)
         results["evaluation"] = np.array(model.evaluate(Batches(features, labels, 16), verbose=0))
     elif name in ("numpy-batch71", "compute-loss-override"):
         features, labels, weights = arrays(np)
-        history = model.fit(features, labels, sample_weight=weights, batch_size=71, epochs=2, shuffle=False,
+        history = model.fit(features, labels, sample_weight=weights, batch_size=71, epochs=2,
                             validation_split=0.2, verbose=0)
         results["evaluation"] = np.array(model.evaluate(features, labels, sample_weight=weights, batch_size=50,
                                                         verbose=0))
         results["predictions"] = model.predict(features, batch_size=40, verbose=0)
     elif name == "numpy-batch2":
         features, labels, _ = arrays(np)
-        history = model.fit(features[:9], labels[:9], batch_size=2, epochs=2, shuffle=False, verbose=0,
+        history = model.fit(features[:9], labels[:9], batch_size=2, epochs=2, verbose=0,
                             validation_data=(features[9:20], labels[9:20]))
         results["evaluation"] = np.array(model.evaluate(features, labels, batch_size=7, verbose=0))
         results["predictions"] = model.predict(features[:11], batch_size=2, verbose=0)

@@ -1,8 +1,7 @@
 """Callbacks, saving and loading, and PyDataset input, serially and under tarantella.
 
 `callbacks_and_saving.py --mode serial|tnt --out OUT` trains one MLP on a keras.utils.PyDataset
-(unshuffled: a shuffled one takes a seeded batch order, alike on every rank but not serial
-Keras') with ModelCheckpoint, EarlyStopping (which stops the fit before its last epoch), a
+(shuffled by fit, as by default) with ModelCheckpoint, EarlyStopping (which stops the fit before its last epoch), a
 LearningRateScheduler and History, then saves it with `save` and `save_weights` and loads both
 files back (`tnt.models.load_model` under tarantella). Each rank writes OUT/rank{R}/results.npz
 with the weights, History, the epochs the checkpoint wrote, the loaded models' weights and the
@@ -57,7 +56,7 @@ def main():
                                                  save_weights_only=True),
                  keras.callbacks.EarlyStopping(monitor="loss", min_delta=0.02, patience=0),
                  keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.7)]
-    history = model.fit(Batches(), epochs=30, shuffle=False, validation_data=(x, y), callbacks=callbacks, verbose=0)
+    history = model.fit(Batches(), epochs=30, validation_data=(x, y), callbacks=callbacks, verbose=0)
     model_file, weights_file = os.path.join(args.out, "model.keras"), os.path.join(args.out, "model.weights.h5")
     model.save(model_file)
     model.save_weights(weights_file)

@@ -1,11 +1,12 @@
 """A small training job for the restart tests: `long_job.py OUT [--input KIND] [--fits N] ...`.
 
-It trains an MLP (two hidden layers) with Dropout (a random seed state to restore) and Adam on 200 samples in
+It trains an MLP (two hidden layers) with Dropout (a random seed state to restore; `--no-dropout` leaves it out) and Adam on 200 samples in
 batches of 32 (7 steps per epoch, the last one uneven) and saves the master's final weights
 and history to OUT/weights.npz. The input is one of: `arrays` (shuffle=True), `dataset` (a
 reshuffling tf.data shuffle), `pydataset` (a shuffled keras.utils.PyDataset), `files`
 (TFRecord files, made first with `--make-files`). With `--fits 2` it trains two models one
-after the other (each its own `fit` call).
+after the other (each its own `fit` call). With `--serial` it runs plain Keras, without
+tarantella: the reference a resumed job must end at.
 
 Faults come from the environment, so the same command fails on one attempt only:
 FAULT="attempt=0,rank=1,fit=1,epoch=1,step=3,how=raise" makes rank 1 of attempt 0 fail
@@ -110,6 +111,7 @@ def main():
     parser.add_argument("--width", type=int, default=32, help="units of each of the two hidden layers")
     parser.add_argument("--no-dropout", dest="dropout", action="store_false",
                         help="no Dropout: its masks depend on the number of ranks")
+    parser.add_argument("--serial", action="store_true", help="plain Keras, without tarantella: the reference")
     options = parser.parse_args()
     if options.make_files:
         make_files(options.out)
@@ -120,7 +122,11 @@ def main():
 
     import keras
     import numpy as np
-    import tarantella as tnt
+    if options.serial:
+        wrap, is_master = (lambda model: model), True
+    else:
+        import tarantella as tnt
+        wrap, is_master = tnt.Model, tnt.is_master_rank()
 
     step_sleep = float(os.environ.get("STEP_SLEEP", "0"))
 
@@ -145,7 +151,7 @@ def main():
     results = {}
     for fit_number in range(1, options.fits + 1):
         keras.utils.set_random_seed(fit_number)
-        model = tnt.Model(keras.Sequential([
+        model = wrap(keras.Sequential([
             keras.Input((FEATURES,)), keras.layers.Dense(options.width, activation="relu"),
             keras.layers.Dense(options.width, activation="relu"),
             *([keras.layers.Dropout(0.2, seed=11)] if options.dropout else []),
@@ -154,13 +160,13 @@ def main():
         faults = Faults(fit_number)
         history = model.fit(**fit_input(options.input, options.files), epochs=options.epochs, verbose=0,
                             callbacks=[faults])
-        if tnt.is_master_rank():
+        if is_master:
             print(f"fit {fit_number} trained {faults.trained} steps", flush=True)
         for index, weight in enumerate(model.get_weights()):
             results[f"fit{fit_number}_weight{index}"] = weight
         for key, values in history.history.items():
             results[f"fit{fit_number}_history_{key}"] = np.array(values)
-    if tnt.is_master_rank():
+    if is_master:
         np.savez(os.path.join(options.out, "weights.npz"), **results)
 
 

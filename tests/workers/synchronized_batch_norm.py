@@ -67,7 +67,7 @@ def run_case(name, mode, out_dir, serial_dir=None):
     model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["sparse_categorical_accuracy"])
     features, labels = data(np)
     quick = name == "sync-bn-quick"
-    history = model.fit(features, labels, batch_size=10, epochs=1 if quick else 2, shuffle=False, verbose=0,
+    history = model.fit(features, labels, batch_size=10, epochs=1 if quick else 2, verbose=0,
                         validation_data=None if quick else (features[:23], labels[:23]))
     arrays = {"evaluation": np.array(model.evaluate(features, labels, batch_size=10, verbose=0)),
               "predictions": model.predict(features, batch_size=10, verbose=0)}

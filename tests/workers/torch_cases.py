@@ -69,7 +69,7 @@ def run_loss_case(name, model, keras, np):
     weights = None
     if name in ("weighted-mean", "sample-weights"):
         weights = np.random.default_rng(2).uniform(0.0, 2.0, SAMPLES).astype("float32")
-    history = model.fit(features, labels, sample_weight=weights, batch_size=71, epochs=3, shuffle=False, verbose=0,
+    history = model.fit(features, labels, sample_weight=weights, batch_size=71, epochs=3, verbose=0,
                         validation_data=(features[:40], labels[:40]))
     evaluation = model.evaluate(features, labels, sample_weight=weights, batch_size=71, verbose=0)
     return history, {"evaluation": np.array(evaluation), "predictions": model.predict(features, batch_size=71,
@@ -92,20 +92,20 @@ def run_api_case(name, model, keras, np, out_dir, load_model):
         arrays["predictions"] = np.asarray(model.predict_on_batch(features[:71]))
         return {}, arrays
     if name == "save-load":
-        history = model.fit(features, labels, batch_size=71, epochs=2, shuffle=False, verbose=0)
+        history = model.fit(features, labels, batch_size=71, epochs=2, verbose=0)
         model.save(os.path.join(out_dir, "save-load.keras"))
         model.save_weights(os.path.join(out_dir, "save-load.weights.h5"))
         loaded = load_model(os.path.join(out_dir, "save-load.keras"))
         reloaded = mlp(keras)
         reloaded.load_weights(os.path.join(out_dir, "save-load.weights.h5"))
         # The loaded model goes on training with the saved optimizer state.
-        loaded.fit(features, labels, batch_size=71, epochs=1, shuffle=False, verbose=0)
+        loaded.fit(features, labels, batch_size=71, epochs=1, verbose=0)
         arrays.update({f"weight_reloaded_{i}": w for i, w in enumerate(reloaded.get_weights())})
         arrays.update({f"weight_loaded_then_trained_{i}": w for i, w in enumerate(loaded.get_weights())})
         return history.history, arrays
     # callbacks: val_loss stops improving by 0.02 within a few epochs; the best model is kept.
     checkpoint = os.path.join(out_dir, "callbacks-best.keras")
-    history = model.fit(features, labels, batch_size=71, epochs=20, shuffle=False, verbose=0,
+    history = model.fit(features, labels, batch_size=71, epochs=20, verbose=0,
                         validation_data=(features[:50], labels[:50]), callbacks=[
                             keras.callbacks.EarlyStopping(monitor="val_loss", min_delta=0.02, patience=1),
                             keras.callbacks.ModelCheckpoint(checkpoint, monitor="val_loss", save_best_only=True)])
@@ -151,7 +151,7 @@ def run_case(name, mode, out_dir):
         arrays["predictions"] = model.predict(data_loader(np, torch, 71, shuffle=False), verbose=0)
     elif name == "numpy-batch2":  # the last global batch of 1 sample leaves the other ranks empty
         features, labels = data(np)
-        history = model.fit(features[:9], labels[:9], batch_size=2, epochs=2, shuffle=False, verbose=0,
+        history = model.fit(features[:9], labels[:9], batch_size=2, epochs=2, verbose=0,
                             validation_data=(features[9:20], labels[9:20]))
         arrays["evaluation"] = np.array(model.evaluate(features, labels, batch_size=7, verbose=0))
         arrays["predictions"] = model.predict(features, batch_size=7, verbose=0)

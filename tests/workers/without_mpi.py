@@ -25,11 +25,11 @@ def build():
 rng = np.random.default_rng(0)
 x, y = rng.normal(size=(100, 6)).astype(np.float32), rng.integers(0, 3, 100)
 serial = build()
-serial_history = serial.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+serial_history = serial.fit(x, y, batch_size=16, epochs=2, verbose=0)
 model = tnt.Model(build())
 model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
               metrics=["accuracy"])
-history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
 total = tnt.allreduce(np.array([1.0, 2.0]))
 with open(sys.argv[1], "w") as file:
     json.dump({"size": tnt.get_size(), "rank": tnt.get_rank(), "mpi_loaded": "mpi4py.MPI" in sys.modules,

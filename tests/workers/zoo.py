@@ -1028,7 +1028,7 @@ def read_optimizer_state(model, arrays, np):
 def train_evaluate_predict(model, spec, case, arrays, np, tf):
     batch = batch_size_of(spec, tf)
     validation = None if case.train_only else spec["validation"]
-    history = model.fit(spec["x"], spec["y"], epochs=2, shuffle=False, verbose=0,
+    history = model.fit(spec["x"], spec["y"], epochs=2, verbose=0,
                         sample_weight=spec.get("sample_weight"), validation_data=validation,
                         **batch, **spec.get("fit", {}))
     arrays.update({f"history_{key}": np.array(values) for key, values in history.history.items()})
@@ -1041,29 +1041,6 @@ def train_evaluate_predict(model, spec, case, arrays, np, tf):
     arrays.update({f"evaluate_{key}": np.array(value) for key, value in evaluation.items()})
     if "predict" in spec:
         flatten_into(arrays, "predictions", model.predict(spec["predict"], verbose=0, **batch), np, tf)
-
-
-def correct_keras_loss_miscount(spec, arrays, np, tf):
-    """Serial Keras' logged means (losses and metrics) on a dataset of unknown length with a static
-    batch size (drop_remainder), corrected to the true means that tarantella logs.
-
-    Keras 3.15 counts a batch's samples without waiting for the batch (the count is the static
-    `shape[0]`, e.g. the loss tracker's weight in compile_utils), so the call that finds such a
-        dataset exhausted adds B samples and no value: n full batches log n/(n+1) of their mean. (The
-    optimizer's iteration count also grows by one in that call; tarantella does the same, so weights
-    agree.)"""
-    def batches_if_miscounted(dataset):
-        if not isinstance(dataset, tf.data.Dataset) or int(dataset.cardinality()) != tf.data.UNKNOWN_CARDINALITY:
-            return None
-        if tf.nest.flatten(dataset.element_spec)[0].shape[0] is None:
-            return None
-        return int(dataset.reduce(0, lambda count, _: count + 1))
-
-    training, validation = batches_if_miscounted(spec["x"]), batches_if_miscounted(spec["validation"][0])
-    for key in arrays:
-        batches = validation if key.startswith(("history_val_", "evaluate_")) else training
-        if batches and key.startswith(("history_", "evaluate_")):
-            arrays[key] = arrays[key] * np.float64(batches + 1) / batches
 
 
 def on_batch_methods(model, spec, arrays, np, tf):
@@ -1089,27 +1066,17 @@ def run_case(name, mode, out_dir):
         spec = case.build(keras, np, rng)
         model = spec["model"]
         arrays = {}
-        if "clip_norm" in spec and mode == "serial":
+        if "clip_norm" in spec:  # in both modes, so that both build the model the same way
             model(spec["x"][:1])
             arrays["clip_sensitivity"] = np.array(clip_sensitivity(keras, np, spec, model))
         if mode == "tnt":
             import tarantella as tnt
             model = tnt.Model(model)
         model.compile(**spec["compile"])
-        if mode == "serial" and isinstance(model.optimizer, keras.optimizers.ScheduleFreeAdamW):
-            # tarantella builds every optimizer before the first step, to broadcast its state. Keras'
-            # ScheduleFreeAdamW alone ends 0.87 apart (in the weights, measured on a Dense model)
-            # when it is built lazily inside the first traced step instead, so the reference builds
-            # it first too, as Keras does under a distribution strategy.
-            model.optimizer.build(model.trainable_variables)
         if case.on_batch:
             on_batch_methods(model, spec, arrays, np, tf)
         else:
             train_evaluate_predict(model, spec, case, arrays, np, tf)
-        if mode == "serial" and not case.on_batch and keras.backend.backend() == "tensorflow":
-            # Only TensorFlow's trainer runs a step on an exhausted dataset; JAX's and torch's
-            # take each batch in Python first and stop when there is none.
-            correct_keras_loss_miscount(spec, arrays, np, tf)
         arrays.update({f"weight_{i}": w for i, w in enumerate(model.get_weights())})
         if case.on_batch:
             read_optimizer_state(model, arrays, np)
