@@ -3,18 +3,81 @@
 import difflib
 import math
 import os
+from typing import NamedTuple
 
-DEFAULT_FUSION_THRESHOLD_KB = 32
-DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
-DEFAULT_STALL_WARNING_S = 60.0
-DEFAULT_START_TIMEOUT_S = 120.0
 DEFAULT_SHUFFLE_SEED = 42
+
+
+class Setting(NamedTuple):
+    """One `TNT_*` setting: what the accessor below reads, and what the documentation's table shows."""
+    name: str
+    type: str            # "boolean", "number", "choice", "whole number", "file", "folder" or "command"
+    default: object      # the value where the variable is unset or empty
+    meaning: str         # one line, for the documentation
+    flag: str = ""       # the `tarantella` option that sets it ("" where only the environment does)
+    minimum: float = 0   # numbers: the smallest value accepted
+    unit: str = ""       # numbers: what they count, as the error messages say it
+    choices: tuple = ()  # choices: the values accepted
+    shown_default: str = ""  # the documentation's words for the default, where `default` alone says too little
+    set_by_command: bool = False  # the `tarantella` command sets it for its own use; users leave it unset
+
+
+# Every setting a user may give (and the two the command sets for itself), in the documentation's order.
+SETTINGS = {setting.name: setting for setting in (
+    Setting("TNT_FUSION_THRESHOLD", "number", 32, "smallest fused gradient allreduce, in KiB; 0 sends every "
+            "gradient on its own", flag="--fusion-threshold KB", minimum=0, unit="kilobytes"),
+    Setting("TNT_TIMELINE", "file", None, "write a trace of every rank's steps and collectives to this file, and "
+            "print a step report after each `fit`", flag="--timeline FILE", shown_default="off"),
+    Setting("TNT_OUTPUT_ON_ALL_DEVICES", "boolean", False, "Keras output (progress bars, summary, callback "
+            "messages) from every rank", flag="--output-on-all-devices", shown_default="master only"),
+    Setting("TNT_LOG_LEVEL", "choice", "WARNING", "tarantella's log level", flag="--log-level",
+            choices=("DEBUG", "INFO", "WARNING", "ERROR")),
+    Setting("TNT_LOG_ON_ALL_DEVICES", "boolean", False, "tarantella's log lines from every rank, each tagged "
+            "with its rank", flag="--log-on-all-devices", shown_default="master only"),
+    Setting("TNT_TENSORBOARD_ON_ALL_DEVICES", "boolean", False, "TensorBoard writes one folder per rank, "
+            "`<log_dir>/rank_<r>`", shown_default="master only"),
+    Setting("TNT_COLLECTIVE_TIMEOUT", "number", 600.0, "seconds a rank waits for the others in one collective "
+            "before it raises `CollectiveTimeoutError`", minimum=1, unit="seconds"),
+    Setting("TNT_STALL_WARNING", "number", 60.0, "seconds a rank waits in one collective before it warns once, "
+            "naming the missing ranks", minimum=1, unit="seconds"),
+    Setting("TNT_START_TIMEOUT", "number", 120.0, "seconds the `tarantella` command waits for every rank to "
+            "start before it stops the job, naming the hosts that never joined", minimum=1, unit="seconds"),
+    Setting("TNT_TENSORFLOW_STARTUP_LOGS", "boolean", False, "the `tarantella` command shows TensorFlow's C++ "
+            "start-up lines (oneDNN, CPU features)", shown_default="hidden"),
+    Setting("TNT_THREADS_PER_RANK", "number", 0, "TensorFlow threads per rank; 0 picks them", minimum=0,
+            unit="threads", shown_default="the cores of the rank's own share, else cores per node / ranks per "
+            "node"),
+    Setting("TNT_BIND_CORES", "boolean", True, "ranks of a node that may all run on the same cores split them, "
+            "each binding its threads to its own share; ranks bound already keep their binding"),
+    Setting("TNT_ALLREDUCE", "choice", "ring", "`ring`: large gradient buckets go through tarantella's ring "
+            "allreduce; `mpi`: always `MPI_Allreduce`", choices=("ring", "mpi")),
+    Setting("TNT_USE_GPU", "boolean", True, "`false`: every rank runs on CPU (the command sets it with "
+            "`--no-gpu`, or where a node has fewer GPUs than ranks)", flag="--no-gpu"),
+    Setting("TNT_SHARE_GPUS", "boolean", False, "with fewer GPUs than ranks on a node, the ranks share them "
+            "(rank r takes GPU r mod G) instead of all running on CPU"),
+    Setting("TNT_BACKUP_DIR", "folder", None, "the folder into which `fit` backs up by itself, and from which a "
+            "restarted job resumes", flag="--backup-dir (with --max-restarts)",
+            shown_default="no automatic backups"),
+    Setting("TNT_BACKUP_EVERY_STEPS", "whole number", None, "with automatic backups, also back up after every "
+            "this many steps", flag="--backup-every-steps", minimum=1, shown_default="at every epoch's end only"),
+    Setting("TNT_MPIEXEC", "command", None, "the MPI launcher the `tarantella` command runs: Hydra's `mpiexec`, "
+            "Open MPI's `mpirun`, or `srun`", shown_default="`mpiexec` next to Python, then on `PATH`"),
+    Setting("TNT_RESTART_ATTEMPT", "whole number", 0, "which attempt of the job this is: 0, then k for the k-th "
+            "restart", flag="(set by --max-restarts)", minimum=0, set_by_command=True),
+    Setting("TNT_ANNOUNCE_RANKS", "boolean", False, "each rank tells the command its host and process id, so "
+            "that a failed rank's host can be named", flag="(set by the command)", set_by_command=True),
+)}
+
+
+def _default(name):
+    return SETTINGS[name].default
+
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
 
 
-def _flag(name, default=False):
+def _flag(name, default):
     """The boolean setting `name`; `default` where it is unset or empty."""
     value = os.environ.get(name, "").strip().lower()
     if value == "":
@@ -44,93 +107,96 @@ def _number(name, default, minimum, unit):
     return value
 
 
+def _read_number(name):
+    setting = SETTINGS[name]
+    return _number(name, setting.default, setting.minimum, setting.unit)
+
+
 def fusion_threshold_bytes():
     """Minimum size of one fused gradient allreduce; 0 sends every gradient on its own."""
-    kilobytes = _number("TNT_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD_KB, 0, "kilobytes")
-    return int(kilobytes * 1024)
+    return int(_read_number("TNT_FUSION_THRESHOLD") * 1024)
 
 
 def collective_timeout_s():
     """How long a rank waits for the others in one collective before it gives up."""
-    return _number("TNT_COLLECTIVE_TIMEOUT", DEFAULT_COLLECTIVE_TIMEOUT_S, 1, "seconds")
+    return _read_number("TNT_COLLECTIVE_TIMEOUT")
 
 
 def threads_per_rank():
     """TensorFlow threads per rank; None picks cores-per-node divided by ranks-per-node."""
-    value = _number("TNT_THREADS_PER_RANK", 0, 0, "threads")
-    return int(value) or None
+    return int(_read_number("TNT_THREADS_PER_RANK")) or None
 
 
 def bind_cores():
     """Each rank of a node runs on its own share of the node's cores, where nothing bound them yet."""
-    return _flag("TNT_BIND_CORES", default=True)
+    return _flag("TNT_BIND_CORES", _default("TNT_BIND_CORES"))
 
 
 def ring_allreduce():
     """Large gradient buckets use tarantella's ring allreduce unless TNT_ALLREDUCE=mpi."""
-    choice = os.environ.get("TNT_ALLREDUCE", "ring").strip().lower()
-    if choice not in {"ring", "mpi"}:
+    choice = os.environ.get("TNT_ALLREDUCE", _default("TNT_ALLREDUCE")).strip().lower()
+    if choice not in SETTINGS["TNT_ALLREDUCE"].choices:
         raise ValueError(f"TNT_ALLREDUCE={choice!r} must be 'ring' (large buckets in a ring over "
                          "MPI point-to-point) or 'mpi' (always MPI_Allreduce).")
     return choice == "ring"
 
 
 def output_on_all_devices():
-    return _flag("TNT_OUTPUT_ON_ALL_DEVICES")
+    return _flag("TNT_OUTPUT_ON_ALL_DEVICES", _default("TNT_OUTPUT_ON_ALL_DEVICES"))
 
 
 def tensorboard_on_all_devices():
     """TensorBoard writes one log folder per rank (rank_<r> inside its log_dir), not the master's only."""
-    return _flag("TNT_TENSORBOARD_ON_ALL_DEVICES")
+    return _flag("TNT_TENSORBOARD_ON_ALL_DEVICES", _default("TNT_TENSORBOARD_ON_ALL_DEVICES"))
 
 
 def log_on_all_devices():
-    return _flag("TNT_LOG_ON_ALL_DEVICES")
+    return _flag("TNT_LOG_ON_ALL_DEVICES", _default("TNT_LOG_ON_ALL_DEVICES"))
 
 
 def use_gpu():
     """False where the launcher runs every rank on CPU (--no-gpu, or fewer GPUs than ranks)."""
-    return _flag("TNT_USE_GPU", default=True)
+    return _flag("TNT_USE_GPU", _default("TNT_USE_GPU"))
 
 
 def share_gpus():
     """Ranks of a node with fewer GPUs than ranks share them (rank r takes GPU r mod G), each taking
     GPU memory only as it needs it, instead of all training on CPU."""
-    return _flag("TNT_SHARE_GPUS")
+    return _flag("TNT_SHARE_GPUS", _default("TNT_SHARE_GPUS"))
 
 
 def announce_ranks():
     """Set by the `tarantella` command, which names a failed rank's host from these announcements."""
-    return _flag("TNT_ANNOUNCE_RANKS")
+    return _flag("TNT_ANNOUNCE_RANKS", _default("TNT_ANNOUNCE_RANKS"))
 
 
 def log_level():
-    level = os.environ.get("TNT_LOG_LEVEL", "WARNING").strip().upper()
-    if level not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+    level = os.environ.get("TNT_LOG_LEVEL", _default("TNT_LOG_LEVEL")).strip().upper()
+    if level not in SETTINGS["TNT_LOG_LEVEL"].choices:
         raise ValueError(f"TNT_LOG_LEVEL={level!r} is not one of DEBUG, INFO, WARNING, ERROR.")
     return level
 
 
 def stall_warning_s():
     """After this many seconds in one collective, a waiting rank warns once, naming the missing ranks."""
-    return _number("TNT_STALL_WARNING", DEFAULT_STALL_WARNING_S, 1, "seconds")
+    return _read_number("TNT_STALL_WARNING")
 
 
 def start_timeout_s():
     """How long the `tarantella` command waits for every rank to start before it stops the job."""
-    return _number("TNT_START_TIMEOUT", DEFAULT_START_TIMEOUT_S, 1, "seconds")
+    return _read_number("TNT_START_TIMEOUT")
 
 
 def tensorflow_startup_logs():
     """The `tarantella` command shows TensorFlow's C++ start-up messages (oneDNN, CPU features)."""
-    return _flag("TNT_TENSORFLOW_STARTUP_LOGS")
+    return _flag("TNT_TENSORFLOW_STARTUP_LOGS", _default("TNT_TENSORFLOW_STARTUP_LOGS"))
 
 
 def timeline_path():
     """The trace file the master writes (`tarantella --timeline FILE`); None: no timeline."""
     path = os.environ.get("TNT_TIMELINE", "").strip()
     if not path:
-        return None
+        return _default("TNT_TIMELINE")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ValueError(f"TNT_TIMELINE={path!r}: the folder {folder} does not exist; create it or name a "
@@ -141,15 +207,15 @@ def timeline_path():
 def backup_dir():
     """Where `fit` backs up by itself (set by `tarantella --max-restarts`); None: no automatic backups."""
     value = os.environ.get("TNT_BACKUP_DIR", "").strip()
-    return os.path.abspath(value) if value else None
+    return os.path.abspath(value) if value else _default("TNT_BACKUP_DIR")
 
 
 def backup_every_steps():
     """With automatic backups, also back up after every this many steps; None: at epoch ends only."""
     raw = os.environ.get("TNT_BACKUP_EVERY_STEPS", "").strip()
     if not raw:
-        return None
-    if not raw.isdigit() or int(raw) < 1:
+        return _default("TNT_BACKUP_EVERY_STEPS")
+    if not raw.isdigit() or int(raw) < SETTINGS["TNT_BACKUP_EVERY_STEPS"].minimum:
         raise ValueError(f"TNT_BACKUP_EVERY_STEPS={raw!r} must be a whole number of steps >= 1, e.g. "
                          "TNT_BACKUP_EVERY_STEPS=100 (or unset it: backups at every epoch's end only).")
     return int(raw)
@@ -159,15 +225,15 @@ def restart_attempt():
     """Which attempt of the job this is: 0 for the first, k for the k-th restart (set by the command)."""
     raw = os.environ.get("TNT_RESTART_ATTEMPT", "").strip()
     if not raw:
-        return 0
+        return _default("TNT_RESTART_ATTEMPT")
     if not raw.isdigit():
         raise ValueError(f"TNT_RESTART_ATTEMPT={raw!r} must be a whole number >= 0; the tarantella command "
                          "sets it when it restarts a job, so leave it unset.")
     return int(raw)
 
 
-# Every setting a user may give, with the function that reads (and checks) it; None: read elsewhere.
-_SETTINGS = {
+# The function that reads (and checks) each setting; TNT_MPIEXEC is read by the launcher (launcher/mpis).
+_READERS = {
     "TNT_FUSION_THRESHOLD": fusion_threshold_bytes, "TNT_COLLECTIVE_TIMEOUT": collective_timeout_s,
     "TNT_THREADS_PER_RANK": threads_per_rank, "TNT_BIND_CORES": bind_cores, "TNT_ALLREDUCE": ring_allreduce,
     "TNT_OUTPUT_ON_ALL_DEVICES": output_on_all_devices, "TNT_TENSORBOARD_ON_ALL_DEVICES": tensorboard_on_all_devices,
@@ -178,19 +244,20 @@ _SETTINGS = {
     "TNT_BACKUP_DIR": backup_dir, "TNT_BACKUP_EVERY_STEPS": backup_every_steps,
     "TNT_RESTART_ATTEMPT": restart_attempt,
 }
+assert set(_READERS) == set(SETTINGS), "every setting in SETTINGS has its reader, and no other"
 
 
 def check_environment():
     """Reads every TNT_ setting, so that a bad value fails at once (ValueError naming it and the fix),
     and returns one warning per unknown TNT_ name that looks like a misspelt setting, naming it.
     (Unknown names close to no setting may be the user's own and are left alone.)"""
-    for read in _SETTINGS.values():
+    for read in _READERS.values():
         if read is not None:
             read()
     warnings = []
     for name in sorted(os.environ):
-        if name.startswith("TNT_") and name not in _SETTINGS:
-            closest = difflib.get_close_matches(name, _SETTINGS, n=1, cutoff=0.75)
+        if name.startswith("TNT_") and name not in SETTINGS:
+            closest = difflib.get_close_matches(name, SETTINGS, n=1, cutoff=0.75)
             if closest:
                 warnings.append(f"{name} is not a tarantella setting, so it is ignored; did you mean "
                                 f"{closest[0]}? (docs/guide.md, Settings)")
