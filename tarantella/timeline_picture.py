@@ -78,7 +78,9 @@ def draw(trace, path, first_step=2, steps=2):
     plt.close(figure)
 
 
-def main(argv=None):
+def build_parser():
+    """The `tarantella-timeline` command's argument parser (the documentation's command reference is made
+    from it)."""
     parser = argparse.ArgumentParser(prog="tarantella-timeline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace", help="the file `tarantella --timeline FILE` wrote")
@@ -86,6 +88,11 @@ def main(argv=None):
     parser.add_argument("--first-step", type=int, default=2,
                         help="the master's first training step to show, counted from 1 (default 2: step 1 traces)")
     parser.add_argument("--steps", type=int, default=2, help="consecutive steps to show (default 2)")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.first_step < 1 or args.steps < 1:
         parser.error("--first-step and --steps must be at least 1")

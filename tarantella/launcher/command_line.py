@@ -18,6 +18,26 @@ def parse(argv):
         own, program = argv[:split], argv[split + 1:]
     else:
         own, program = argv, []
+    parser = build_parser()
+    options, unknown = parser.parse_known_args(own)
+    if unknown:
+        if "--" not in argv and not unknown[0].startswith("-"):
+            parser.error(f"put the program after '--': tarantella {shlex.join(own[:len(own) - len(unknown)])}"
+                         f"{' ' if len(own) > len(unknown) else ''}-- {shlex.join(unknown)}")
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    for assignment in options.variables:
+        if "=" not in assignment or assignment.startswith("="):
+            parser.error(f"-x expects VAR=VALUE, got {assignment!r}")
+    if options.force and not options.cleanup:
+        parser.error("--force only goes with --cleanup, e.g. tarantella --cleanup --force -- train.py")
+    if not program:
+        parser.error("name the program after '--', e.g. tarantella -n 2 -- train.py")
+    restarts.check_options(parser, options)
+    return options, program
+
+
+def build_parser():
+    """The `tarantella` command's argument parser (the documentation's command reference is made from it)."""
     parser = argparse.ArgumentParser(
         prog="tarantella", usage=USAGE,
         description="Run a Keras program that uses tarantella on several ranks (processes), on this "
@@ -64,21 +84,7 @@ def parse(argv):
                         help="print the command and environment that would run, and exit")
     parser.add_argument("--version", action="version", version=f"tarantella {__version__}")
     restarts.add_options(parser)
-    options, unknown = parser.parse_known_args(own)
-    if unknown:
-        if "--" not in argv and not unknown[0].startswith("-"):
-            parser.error(f"put the program after '--': tarantella {shlex.join(own[:len(own) - len(unknown)])}"
-                         f"{' ' if len(own) > len(unknown) else ''}-- {shlex.join(unknown)}")
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    for assignment in options.variables:
-        if "=" not in assignment or assignment.startswith("="):
-            parser.error(f"-x expects VAR=VALUE, got {assignment!r}")
-    if options.force and not options.cleanup:
-        parser.error("--force only goes with --cleanup, e.g. tarantella --cleanup --force -- train.py")
-    if not program:
-        parser.error("name the program after '--', e.g. tarantella -n 2 -- train.py")
-    restarts.check_options(parser, options)
-    return options, program
+    return parser
 
 
 def check_program(options, program):
