@@ -25,11 +25,19 @@ _SAVING = (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore)
 class Callback(keras.callbacks.Callback):
     """Runs a Keras callback under tarantella.
 
-    aggregate_logs: True (default) gives the callback the global logs, equal to those of a
-        serial run; False gives it the values of this rank's own micro-batches.
-    run_on_all_ranks: True (default) runs it on every rank; False on the master only.
     A callback passed to fit/evaluate/predict without this wrapper behaves as if wrapped
     with the defaults; Keras' printing and writing callbacks always run on the master only.
+
+    Args:
+        callback: the `keras.callbacks.Callback` to run.
+        aggregate_logs: True (default) gives the callback the global logs, equal to those of a
+            serial run; False gives it the values of this rank's own micro-batches.
+        run_on_all_ranks: True (default) runs it on every rank; False on the master only.
+
+    Raises:
+        TypeError: `callback` is no Keras callback, is wrapped already, or a setting is not a bool.
+        ValueError: a callback that decides how every rank trains (EarlyStopping,
+            ReduceLROnPlateau, LearningRateScheduler, TerminateOnNaN) with either setting False.
     """
 
     def __init__(self, callback, aggregate_logs=True, run_on_all_ranks=True):

@@ -875,18 +875,38 @@ def tell_other_ranks_this_one_failed(summary):
 
 
 def get_rank():
+    """This process's rank: 0 for the master, up to `get_size() - 1`.
+
+    Returns:
+        int: the rank; 0 in a serial run.
+    """
     return init().rank
 
 
 def get_size():
+    """The number of ranks in the job.
+
+    Returns:
+        int: the number of ranks; 1 in a serial run.
+    """
     return init().size
 
 
 def get_master_rank():
+    """The master's rank, which writes files and prints Keras' output.
+
+    Returns:
+        int: always 0.
+    """
     return MASTER_RANK
 
 
 def is_master_rank():
+    """Whether this process is the master (rank 0), e.g. to print something once.
+
+    Returns:
+        bool: True on rank 0.
+    """
     return get_rank() == MASTER_RANK
 
 

@@ -55,7 +55,24 @@ def micro_batch_size(global_batch_size, rank, size):
 
 
 def distribute(dataset, rank=None, size=None):
-    """Returns the dataset of rank `rank` (default: this process's): its micro-batches, one per global batch."""
+    """Returns the dataset of rank `rank` (default: this process's): its micro-batches, one per global batch.
+
+    Rank r of p gets rows r, r + p, r + 2p, ... of each global batch, as `tnt.Model.fit` does, and
+    every rank gets the same number of batches (some may be empty). A shuffle without any seed
+    gets a fixed one, so that every rank draws the same order.
+
+    Args:
+        dataset: a `tf.data.Dataset` batched with the global batch size.
+        rank, size: the rank and number of ranks to split for (default: this job's).
+
+    Returns:
+        tf.data.Dataset: this rank's micro-batches.
+
+    Raises:
+        TypeError: `dataset` is not a `tf.data.Dataset`.
+        ValueError: the dataset is not batched, or holds a shuffle without a seed that
+            tarantella cannot rebuild.
+    """
     if rank is None or size is None:
         comm = communication.init()
         rank, size = comm.rank, comm.size

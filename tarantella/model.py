@@ -44,6 +44,7 @@ _READ_FROM_WRAPPED = frozenset({
 
 
 class ParallelStrategy(enum.Enum):
+    """How `tnt.Model` parallelizes training; data parallelism is the only strategy."""
     DATA = "data"
 
 
@@ -51,12 +52,23 @@ class Model(keras.Model):
     """Wraps a Keras model so that fit/evaluate/predict split every global batch across ranks.
 
     The wrapped model may override train_step, test_step, predict_step, compute_loss or
-    compute_metrics, use several optimizers, and have its own compile signature.
+    compute_metrics, use several optimizers, and have its own compile signature. A tnt.Model
+    answers as the model it wraps (layers, weights, its own attributes and methods).
 
-    synchronized_batch_normalization=True switches every BatchNormalization layer of the model
-    to Keras' `synchronized=True` when there are 2 or more ranks: each normalizes with the
-    statistics of the whole global batch, so training equals serial training on any number of
-    ranks. (On one rank the layers stay as they are.)"""
+    Args:
+        model: the `keras.Model` to train (Functional, Sequential or subclassed); it is wrapped,
+            not copied.
+        parallel_strategy: `tnt.ParallelStrategy.DATA`, the only strategy.
+        synchronized_batch_normalization: True switches every BatchNormalization layer of the
+            model to Keras' `synchronized=True` when there are 2 or more ranks: each normalizes
+            with the statistics of the whole global batch, so training equals serial training
+            on any number of ranks. (On one rank the layers stay as they are.)
+
+    Raises:
+        TypeError: `model` is not a `keras.Model`, or is a tnt.Model already.
+        NotImplementedError: the model overrides `train_step` or `test_step` on the JAX or
+            PyTorch backend.
+    """
 
     def __init__(self, model, parallel_strategy=ParallelStrategy.DATA, synchronized_batch_normalization=False):
         if isinstance(model, Model):
@@ -144,21 +156,32 @@ class Model(keras.Model):
         return cls(keras_model)
 
     def summary(self, *args, **kwargs):
+        """Keras' summary, printed on the master only (on every rank with TNT_OUTPUT_ON_ALL_DEVICES)."""
         if self._comm.rank == communication.MASTER_RANK or config.output_on_all_devices():
             self._keras_model.summary(*args, **kwargs)
 
     def set_weights(self, weights):
+        """Sets the weights; the master's values reach every rank before the next step."""
         self._keras_model.set_weights(weights)
         self._weights_synced = False  # the master's values go out before the next step
 
     # -- saving and loading (see saving.py) -------------------------------------------
 
     def save(self, filepath, overwrite=True, tnt_save_all_devices=False, **kwargs):
-        """Saves the wrapped Keras model, with the optimizer state once compiled; the master writes."""
+        """Saves the wrapped Keras model, with the optimizer state once compiled; the master writes,
+        and every rank returns once the file is complete. `tnt_save_all_devices=True` makes every
+        rank write, for file systems that the ranks do not share."""
         saving.write_whole(filepath, lambda partial: self._keras_model.save(partial, **kwargs),
                            overwrite, tnt_save_all_devices)
 
     def save_weights(self, filepath, overwrite=True, tnt_save_all_devices=False, max_shard_size=None):
+        """Saves the weights (and the optimizer state once compiled); the master writes, and every
+        rank returns once the file is complete. `tnt_save_all_devices=True` makes every rank write.
+
+        Raises:
+            ValueError: `max_shard_size` is given (sharded files cannot be written whole).
+            FileExistsError: `overwrite=False` and the file exists.
+        """
         if max_shard_size is not None:
             raise ValueError("tnt.Model.save_weights writes one file, which appears whole or not at all; "
                              "sharded saving (max_shard_size=) is not supported. Leave max_shard_size unset.")
@@ -199,8 +222,21 @@ class Model(keras.Model):
             validation_batch_size=None, validation_freq=1, tnt_micro_batch_size=None,
             tnt_validation_micro_batch_size=None, tnt_distribute_dataset=True,
             tnt_distribute_validation_dataset=True):
-        """Keras' fit; batch sizes are global. tnt_micro_batch_size batches an unbatched dataset
-        with micro-batch x ranks; tnt_distribute_dataset=False means each rank passes its own shard."""
+        """Keras' fit, with global batches: every rank trains on its rows of each batch.
+
+        Takes Keras' arguments; `batch_size` and the batches of a dataset are global. Besides:
+
+        Args:
+            tnt_micro_batch_size: the batch per rank: an unbatched dataset is batched with
+                micro-batch x ranks, and a batched one must hold that many samples per batch.
+            tnt_validation_micro_batch_size: the same for `validation_data`.
+            tnt_distribute_dataset: False: each rank passes its own part of the data, batched
+                with its micro-batch size, and tarantella does not split it.
+            tnt_distribute_validation_dataset: the same for `validation_data`.
+
+        Returns:
+            keras.callbacks.History: the global logs, equal on every rank.
+        """
         self._check_compiled("fit")
         epoch_order = data.EpochOrder(initial_epoch)
         unknown_length = {"train": None, "test": None}
@@ -298,6 +334,10 @@ class Model(keras.Model):
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
                  callbacks=None, return_dict=False, tnt_micro_batch_size=None, tnt_distribute_dataset=True,
                  **kwargs):
+        """Keras' evaluate, with global batches; every rank returns the global loss and metrics.
+
+        `tnt_micro_batch_size` and `tnt_distribute_dataset` work as in `fit`.
+        """
         if kwargs.get("_use_cached_eval_dataset"):  # validation inside fit: already distributed
             self._use_masters_statistics()
             training_logs = self._local_metrics_result() if self._step.local_metric_state else None
@@ -338,7 +378,8 @@ class Model(keras.Model):
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None,
                 tnt_micro_batch_size=None):
-        """Every rank gets every prediction, in the order of the input samples."""
+        """Keras' predict, with global batches: every rank gets every prediction, in the order
+        of the input samples. `tnt_micro_batch_size` works as in `fit`."""
         if keras_batches.is_batched_by_keras(x):
             batch_size = keras_batches.keras_batch_size("predict", x, batch_size, tnt_micro_batch_size, self._comm.size)
             if self._distributed:

@@ -91,6 +91,16 @@ class Optimizer:
     `allreduce_gradients` (pass `num_samples=`, the rank's micro-batch size), then run the
     wrapped optimizer's update, the same on every rank. Everything else (`variables`,
     `learning_rate`, `iterations`, `build`, ...) is the wrapped optimizer's.
+
+    Args:
+        optimizer: a Keras optimizer (an object, a name or a config, as `keras.optimizers.get`
+            takes).
+        loss_reduction: `"mean"` for a loss averaged over the micro-batch (Keras' default),
+            `"sum"` for a loss summed over it.
+
+    Raises:
+        NotImplementedError: on the JAX and PyTorch backends (sum gradients with
+            `tnt.allreduce` there).
     """
 
     def __init__(self, optimizer, loss_reduction="mean"):
@@ -109,11 +119,20 @@ class Optimizer:
         return self._optimizer
 
     def apply(self, grads, trainable_variables=None, num_samples=None):
+        """Combines the ranks' gradients, then applies the wrapped optimizer's update.
+
+        Args:
+            grads: this rank's gradients, aligned with `trainable_variables`.
+            trainable_variables: the variables to update (as in `keras.optimizers.Optimizer.apply`).
+            num_samples: the number of samples this rank's loss averages over, e.g.
+                `tf.shape(x)[0]`; it makes the update exact for uneven micro-batches.
+        """
         variables = list(trainable_variables) if trainable_variables is not None else None
         combined = allreduce_gradients(list(grads), num_samples, self._loss_reduction, variables)
         return self._optimizer.apply(combined, trainable_variables)
 
     def apply_gradients(self, grads_and_vars, num_samples=None):
+        """`apply` for (gradient, variable) pairs, as `keras.optimizers.Optimizer.apply_gradients`."""
         grads, variables = zip(*grads_and_vars)
         combined = allreduce_gradients(list(grads), num_samples, self._loss_reduction, list(variables))
         return self._optimizer.apply_gradients(zip(combined, variables))
