@@ -59,3 +59,4 @@ html_title = f"tarantella {release}"
 html_static_path = []
 html_show_sourcelink = False
 pygments_style = "friendly"
+smartquotes = False                   # --flags and 'quotes' in generated text stay as typed

@@ -47,6 +47,9 @@ def _table(header, rows, widths):
 def _row(cells):
     row = nodes.row()
     for cell in cells:
+        if isinstance(cell, nodes.entry):
+            row += cell
+            continue
         entry = nodes.entry()
         entry += cell if isinstance(cell, nodes.Node) else _inline(cell)
         row += entry
@@ -89,12 +92,17 @@ class SettingsTable(SphinxDirective):
         self.env.note_dependency(config.__file__)
         rows = []
         for setting in config.SETTINGS.values():
-            flag = setting.flag if setting.flag.startswith("(") else (f"`{setting.flag}`" if setting.flag else "")
-            meaning = setting.meaning + (" (the `tarantella` command sets it; leave it unset)"
-                                         if setting.set_by_command else "")
-            rows.append([_code(setting.name), meaning, _accepted(setting), _shown_default(setting), flag])
-        return [_table(["variable", "meaning", "accepted values", "default", "`tarantella` option"], rows,
-                       [22, 40, 18, 14, 14])]
+            name = nodes.entry()
+            name += _code(setting.name)
+            if setting.flag:
+                name += _inline(setting.flag if setting.flag.startswith("(") else f"option: `{setting.flag}`")
+            meaning = nodes.entry()
+            meaning += _inline(setting.meaning[:1].upper() + setting.meaning[1:] + "."
+                               + (" The `tarantella` command sets it; leave it unset." if setting.set_by_command
+                                  else ""))
+            meaning += _inline(f"Accepted: {_accepted(setting)}.")
+            rows.append([name, meaning, _shown_default(setting)])
+        return [_table(["variable (and `tarantella` option)", "meaning", "default"], rows, [30, 52, 18])]
 
 
 class CommandReference(SphinxDirective):
@@ -114,10 +122,11 @@ class CommandReference(SphinxDirective):
             if paragraph.strip():
                 result.append(_inline(" ".join(paragraph.split())))
         for group in parser._action_groups:
-            actions = [action for action in group._group_actions if not isinstance(action, argparse._HelpAction)]
+            actions = list(group._group_actions)
             if not actions:
                 continue
             title = {"positional arguments": "arguments", "optional arguments": "options"}.get(group.title, group.title)
+            title = re.sub(r"\s*\(docs/[^)]*\)", "", title)  # the --help text points into the docs; here we are
             result.append(nodes.rubric(title, title))
             result.append(_table(["option", "meaning"], [[_code(_spelling(action)), _help(action)]
                                                         for action in actions], [30, 70]))
@@ -140,6 +149,8 @@ def _help(action):
     text = action.help or ""
     if isinstance(action, argparse._VersionAction):
         text = "print the version and exit"
+    elif isinstance(action, argparse._HelpAction):
+        text = "print the options and exit"
     return text[:1].upper() + text[1:] + ("" if text.endswith(".") else ".")
 
 
