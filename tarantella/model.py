@@ -411,6 +411,7 @@ class Model(keras.Model):
         kind = self._sources.next_build()
         if iterator is not None and self._sources.by_keras[kind]:
             keras_batches.build_as_keras_does(self._keras_model, iterator)
+            self.built = True  # the wrapper has no variables of its own: Keras must not build it again
             self._prepare_keras_batched(kind, iterator, element_spec=None)
         super()._symbolic_build(iterator=iterator, data_batch=data_batch)
 
