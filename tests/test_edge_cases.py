@@ -1,6 +1,7 @@
 """Edge cases across ranks: empty micro-batches, uncompiled predict, XLA requests."""
 
 import ast
+import importlib.util
 import re
 
 import pytest
@@ -63,6 +64,21 @@ def test_numpy_inputs_warn_and_fail_as_keras_does():
         # Keras' own check and words: the arrays go to Keras' adapter as in a serial run
         assert f"rank {rank}: mismatch Data cardinality is ambiguous" in process.stdout
     assert "'x' sizes: 10\n'y' sizes: 9" in process.stdout
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_a_script_that_seeds_nothing_trains_every_rank_on_the_same_shuffled_batches(backend):
+    """Without any seed, and with the ranks' generators made to differ, every rank still takes its
+    rows of one and the same shuffled global batch: on TensorFlow through tarantella's own seeded
+    shuffle of arrays, else through the master's generator states, which every rank takes."""
+    if importlib.util.find_spec(backend) is None:
+        pytest.skip(f"{backend} is not installed")
+    process = launch(2, SCENARIOS, "unseeded-shuffles", env={"KERAS_BACKEND": backend}, timeout=300)
+    assert_ok(process)
+    for rank in range(2):
+        for name in ("arrays-shuffle-true", "arrays-shuffle-batch", "pydataset-reshuffled"):
+            found = re.search(rf"rank {rank}: {name} differs from the unshuffled batch by (\S+)", process.stdout)
+            assert found and float(found[1]) < 1e-5, (name, process.stdout[-3000:])
 
 
 @pytest.mark.parametrize("loss, training_openings", [("mean", 0), ("sum", 10)])

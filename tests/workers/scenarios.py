@@ -381,7 +381,49 @@ def worker_pool(method):
     sys.stderr.write(f"rank {tnt.get_rank()}: {method} workers gave {results}\n")
 
 
+def unseeded_shuffles():
+    """A script that seeds nothing, and ranks whose NumPy and Python generators differ on purpose:
+    every input that Keras or the user's PyDataset shuffles is trained in one global batch per
+    epoch, whose result does not depend on the order of its rows but on which rows it holds. Each
+    rank reports how far it ends from a plain Keras model trained on the unshuffled batch: far,
+    unless every rank took its rows of the same shuffled batch."""
+    import random
+    samples = 48
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(samples, 6)).astype("float32"), rng.integers(0, 4, samples)
+
+    class Reshuffled(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__()
+            self.rows = np.arange(samples)
+
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, index):
+            return x[self.rows], y[self.rows]
+
+        def on_epoch_end(self):
+            np.random.shuffle(self.rows)
+
+    inputs = {"arrays-shuffle-true": dict(x=x, y=y, batch_size=samples, shuffle=True),
+              "arrays-shuffle-batch": dict(x=x, y=y, batch_size=samples, shuffle="batch"),
+              "pydataset-reshuffled": dict(x=Reshuffled(), shuffle=True)}
+    for name, arguments in inputs.items():
+        serial = small_model()
+        serial.compile("sgd", "sparse_categorical_crossentropy")
+        serial.fit(x, y, batch_size=samples, epochs=3, shuffle=False, verbose=0)
+        model = compiled(small_model())
+        tf.random.set_seed(None)
+        np.random.seed(100 + tnt.get_rank())
+        random.seed(100 + tnt.get_rank())
+        model.fit(**arguments, epochs=3, verbose=0)
+        difference = max(float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), serial.get_weights()))
+        report(f"{name} differs from the unshuffled batch by {difference:.1e}")
+
+
 SCENARIOS = {
+    "unseeded-shuffles": unseeded_shuffles,
     "numpy-input-edges": numpy_input_edges,
     "on-batch-methods": on_batch_methods,
     "user-prints": user_prints_in_callbacks,
