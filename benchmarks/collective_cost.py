@@ -36,7 +36,8 @@ import numpy as np
 import tensorflow as tf
 
 import tarantella as tnt
-from tarantella import communication, timeline
+from tarantella import timeline
+from tarantella.runtime import world as tnt_world
 
 
 def main():
@@ -44,8 +45,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--calls", type=int, default=200)
     args = parser.parse_args()
-    comm = communication.init()
-    MPI = communication.mpi()
+    comm = tnt_world.init()
+    MPI = tnt_world.mpi()
     world = MPI.COMM_WORLD.Dup()
     values = np.ones(3, np.int64)
 

@@ -17,7 +17,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import io_callback  # noqa: E402
 
-from tarantella import communication  # noqa: E402
+from tarantella.runtime import world  # noqa: E402
 
 REPEATS = 2000
 
@@ -33,12 +33,12 @@ def median_us(function, repeats=REPEATS):
 
 
 def main():
-    comm = communication.init()
-    MPI = communication.mpi()
+    comm = world.init()
+    MPI = world.mpi()
     vector = np.ones(16, np.float32)
 
     def bare():
-        comm._mpi.Allreduce(MPI.IN_PLACE, vector.copy(), op=MPI.SUM)
+        comm.mpi_comm.Allreduce(MPI.IN_PLACE, vector.copy(), op=MPI.SUM)
 
     def through_worker():
         comm.allreduce_sum(vector, "a measured allreduce", agreed=True)

@@ -343,7 +343,8 @@ def main():
         if args.variant == "timeline":
             os.environ["TNT_TIMELINE"] = os.path.join(args.control, "timeline.json")
         import tarantella as tnt
-        from tarantella import communication
+        from tarantella.runtime import communicator as communicator_module
+        from tarantella.runtime import world
         if args.variant == "no-allreduce":
             remove_gradient_allreduce(keras.backend.backend())
         if "no-agreement" in args.variant:
@@ -355,11 +356,11 @@ def main():
             def open_step_without_agreement(self, what, sequence, samples):
                 """The step's opening still sums the micro-batch sizes, in a collective of its own."""
                 return int(self.allreduce_sum(np.array([samples], np.int64), what, agreed=True)[0])
-            communication.Communicator.enter = enter_without_agreement
-            communication.Communicator.open_step = open_step_without_agreement
+            communicator_module.Communicator.enter = enter_without_agreement
+            communicator_module.Communicator.open_step = open_step_without_agreement
         if "no-monitor" in args.variant:
-            communication._PeerMonitor = lambda side_comm, communicator: None
-        communicator = communication.init()
+            communicator_module.PeerMonitor = lambda side_comm, communicator: None
+        communicator = world.init()
         rank, ranks, is_master = communicator.rank, communicator.size, tnt.is_master_rank()
         tarantella_folder = os.path.dirname(os.path.dirname(tnt.__file__))
 

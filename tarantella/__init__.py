@@ -33,9 +33,10 @@ if not _started_as_launcher():
         raise _error from None
     _backend_steps.check_supported(keras.backend.backend())
 
-    from tarantella.communication import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
-                                          RankFailedError, RankLeftError, get_master_rank, get_rank, get_size,
-                                          init, is_master_rank)
+    from tarantella.runtime.errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
+                                           RankFailedError, RankLeftError)
+    from tarantella.runtime.world import get_master_rank, get_rank, get_size, is_master_rank
+    from tarantella.rank import init
     from tarantella.model import Model, ParallelStrategy, Sequential
     from tarantella.collectives import (ReductionOp, TensorAllgatherer, TensorAllreducer, TensorBroadcaster,
                                         allgather, allreduce, barrier, broadcast, broadcast_variables)

@@ -6,14 +6,14 @@ class and configuration, losses, metrics, loss weights, ...) are compared at the
 broadcast, and the first difference is named.
 """
 
-from tarantella import communication
+from tarantella.runtime import world
 
 
 def check_same_compile_settings(comm, model):
     """Raises ValueError on every rank if the ranks compiled `model` differently."""
     settings = model.get_compile_config() if model.compiled else None
     everyone = comm.allgather(settings, "the check that all ranks compiled the same training step")
-    master = everyone[communication.MASTER_RANK]
+    master = everyone[world.MASTER_RANK]
     differing = [rank for rank, theirs in enumerate(everyone) if theirs != master]
     if not differing:
         return

@@ -10,7 +10,7 @@ global batches whose number TensorFlow cannot tell (or None). Everything
 around the steps (data splitting, the communicator, callbacks, saving, the launcher) is shared.
 """
 
-from tarantella import config
+from tarantella.common import config
 
 SUPPORTED_BACKENDS = ("tensorflow", "jax", "torch")
 _INSTALL_HINTS = {
@@ -42,17 +42,17 @@ def _unsupported(backend):
             "before importing keras.")
 
 
-def for_model(communicator, model):
+def for_model(communicator, reducer, model):
     """The distributed step of `model` for the backend Keras runs on."""
     import keras
 
     threshold = config.fusion_threshold_bytes()
     if keras.backend.backend() == "jax":
         from tarantella import jax_step
-        return jax_step.JaxStep(communicator, model, threshold)
+        return jax_step.JaxStep(communicator, reducer, model, threshold)
     if keras.backend.backend() == "torch":
         from tarantella import torch_step
-        return torch_step.TorchStep(communicator, model, threshold)
+        return torch_step.TorchStep(communicator, reducer, model, threshold)
     from tarantella import distributed_step, gradients
     return distributed_step.DistributedStep(communicator, model,
-                                            gradients.GradientAllreduce(communicator, threshold))
+                                            gradients.GradientAllreduce(reducer, threshold))

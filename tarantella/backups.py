@@ -16,14 +16,16 @@ PyDatasets and file sources alike), and Keras' step numbers, callbacks and itera
 those of the uninterrupted run.
 """
 
+import logging
 import time
 
 import keras
 import numpy as np
 
-from tarantella import backup_files, communication, config
+from tarantella.common import backup_files, config
+from tarantella.runtime import world
 
-logger = communication.logger
+logger = logging.getLogger("tarantella")
 
 _fit_calls = 0  # `fit` calls of this process so far: each call's backup is found again by its number
 
@@ -77,7 +79,7 @@ class AutomaticBackups(keras.callbacks.Callback):
         return training, metrics
 
     def _backup(self, epoch, step, completed=False):
-        if self._comm.rank != communication.MASTER_RANK:
+        if self._comm.rank != world.MASTER_RANK:
             return
         started = time.monotonic()
         training, metrics = self._variables()

@@ -12,7 +12,9 @@ import os
 
 import keras
 
-from tarantella import communication, config, saving
+from tarantella import saving
+from tarantella.common import config
+from tarantella.runtime import world
 
 _DECIDING = (keras.callbacks.EarlyStopping, keras.callbacks.ReduceLROnPlateau,
              keras.callbacks.LearningRateScheduler, keras.callbacks.TerminateOnNaN)
@@ -144,7 +146,7 @@ class _MastersBackupAndRestore(Callback):
         self.callback.on_train_begin(logs)
 
     def _call(self, hook, *args, logs=None, local_logs=None):
-        if self.model._comm.rank == communication.MASTER_RANK:
+        if self.model._comm.rank == world.MASTER_RANK:
             with saving.master_alone(), _told_to_every_rank(self.callback, self.model):
                 getattr(self.callback, hook)(*args, logs=logs)
 
@@ -194,7 +196,7 @@ def for_this_rank(callbacks, comm):
             chosen.append(inner if wrapped.aggregate_logs else wrapped)
         else:
             master_alone = True
-            if rank == communication.MASTER_RANK:
+            if rank == world.MASTER_RANK:
                 # Wrapped, so that its failure reaches every rank; Keras must still recognize its progress bar.
                 needs_wrapper = not wrapped.aggregate_logs or not isinstance(inner, keras.callbacks.ProgbarLogger)
                 chosen.append(wrapped if needs_wrapper else inner)

@@ -21,7 +21,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tarantella import communication
+from tarantella.runtime import world
 
 
 class ReductionOp(str, enum.Enum):
@@ -140,13 +140,13 @@ class TensorBroadcaster:
     without inputs and receive values shaped like the constructor's `inputs`.
     """
 
-    def __init__(self, inputs, root_rank=communication.MASTER_RANK):
+    def __init__(self, inputs, root_rank=world.MASTER_RANK):
         self._template = _checked_template("TensorBroadcaster", inputs)
         self._root = _check_root(root_rank)
 
     def broadcast(self, inputs=None):
         if inputs is None:
-            if communication.get_rank() == self._root:
+            if world.get_rank() == self._root:
                 raise ValueError("TensorBroadcaster.broadcast() needs the values to send on the root rank "
                                  f"({self._root}). Pass them: broadcaster.broadcast(values).")
             inputs = self._template
@@ -183,7 +183,7 @@ def _numbers_for_numbers(inputs, results):
 
 def _collective(name, values, leaves, operation, output_shape, detail, rows_may_differ=False):
     """Runs `operation(mpi_comm, arrays, layouts)` on the worker once all ranks are seen to agree."""
-    comm = communication.init()
+    comm = world.init()
     present = [i for i, leaf in enumerate(leaves) if leaf is not None]
 
     def job(*arrays):
@@ -305,7 +305,7 @@ def _describe_call(layout):
 
 
 def _allreduce(mpi_comm, arrays, op):
-    MPI = communication.mpi()
+    MPI = world.mpi()
     mpi_op = {ReductionOp.SUM: MPI.SUM, ReductionOp.AVERAGE: MPI.SUM, ReductionOp.PRODUCT: MPI.PROD,
               ReductionOp.MIN: MPI.MIN, ReductionOp.MAX: MPI.MAX}[op]
     results = []
@@ -356,7 +356,7 @@ def _reduction_op(op):
 
 
 def _check_root(root):
-    size = communication.get_size()
+    size = world.get_size()
     if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
         raise ValueError(f"root={root!r} is not a rank: with {size} rank(s) the root is an int from 0 to "
                          f"{size - 1}.")

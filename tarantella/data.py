@@ -24,7 +24,9 @@ from keras.src.trainers.data_adapters import array_data_adapter, array_slicing
 from tensorflow.python.data.util import structure
 from tensorflow.python.framework import random_seed
 
-from tarantella import communication, config, keras_batches
+from tarantella import keras_batches
+from tarantella.common import config
+from tarantella.runtime import world
 
 logger = logging.getLogger("tarantella")
 
@@ -74,7 +76,7 @@ def distribute(dataset, rank=None, size=None):
             tarantella cannot rebuild.
     """
     if rank is None or size is None:
-        comm = communication.init()
+        comm = world.init()
         rank, size = comm.rank, comm.size
     if not isinstance(dataset, tf.data.Dataset):
         raise TypeError(

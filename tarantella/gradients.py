@@ -52,8 +52,8 @@ def plan_buckets(sizes_in_bytes, dtypes, threshold_bytes):
 class GradientAllreduce:
     """Sums gradients over all ranks inside a traced training step."""
 
-    def __init__(self, communicator, threshold_bytes):
-        self._comm = communicator
+    def __init__(self, reducer, threshold_bytes):
+        self._reducer = reducer
         self._threshold_bytes = threshold_bytes
 
     def __call__(self, gradients, variables=None, contributes=None, step_sequence=None, opening=None):
@@ -174,15 +174,15 @@ class GradientAllreduce:
         opening = None if opens is None else ("; ".join(opens), int(samples), float(divisor))
         if arrived and timeline.recorder is not None:
             timeline.recorder.input_arrived(float(arrived))
-        self._comm.submit_bucket(index, count, payload, agreed, opening)
+        self._reducer.submit(index, count, payload, agreed, opening)
         return np.int64(index)
 
     def _collect(self, opened, *handed_over):
         flat = []
-        for item in self._comm.collect_buckets():
+        for item in self._reducer.collect():
             flat.extend(item if isinstance(item, tuple) else [item])
         if opened:
-            flat.append(np.float64(self._comm.global_samples))
+            flat.append(np.float64(self._reducer.global_samples))
         return flat
 
 

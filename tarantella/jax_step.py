@@ -78,8 +78,9 @@ _WIRE_DTYPES = (jnp.float32, jnp.float64)
 class JaxStep:
     """Builds the pure train, test and predict steps that Keras' JAX trainer jits."""
 
-    def __init__(self, communicator, model, threshold_bytes):
+    def __init__(self, communicator, reducer, model, threshold_bytes):
         self._comm = communicator
+        self._reducer = reducer
         self._model = model
         self._threshold_bytes = threshold_bytes
         # On the CPU the gradient sum reads and writes XLA's own buffers; a GPU's must be copied.
@@ -335,8 +336,8 @@ class JaxStep:
     def _sum_flat(self, arrays):
         """Sums each 1-D array over ranks in place, as one round of gradient buckets."""
         for index, array in enumerate(arrays):
-            self._comm.submit_bucket(index, len(arrays), array, agreed=True)
-        self._comm.collect_buckets()
+            self._reducer.submit(index, len(arrays), array, agreed=True)
+        self._reducer.collect()
 
     def _add_global_increments(self, sequence, metric_state, increments, contributes, after=None):
         """The metric state advanced by the increments of every rank. `after` (optional, an

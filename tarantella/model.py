@@ -12,6 +12,7 @@ reads answers as the wrapped model does. With one rank, every method is plain Ke
 import contextlib
 import copy
 import enum
+import logging
 
 import keras
 import numpy as np
@@ -19,10 +20,12 @@ import tensorflow as tf
 # Keras' validation_split, for arrays tarantella shuffles itself; tests/test_keras_internals.py checks it.
 from keras.src.trainers.data_adapters import array_slicing
 
+from tarantella import agreement, backend_steps, backups, data, keras_batches, saving, timeline
 from tarantella import callbacks as callbacks_module
-from tarantella import agreement, backend_steps, backups, communication, config, data, keras_batches, saving, timeline
+from tarantella.common import config
+from tarantella.runtime import world
 
-logger = communication.logger
+logger = logging.getLogger("tarantella")
 
 # Below this many samples per rank, per-rank BatchNormalization statistics get noisy.
 _SMALL_BATCH_NORMALIZATION_BATCH = 16
@@ -86,7 +89,7 @@ class Model(keras.Model):
         self._keras_model = model
         # torch.nn.Module keeps sub-modules out of __dict__, where the lookups below read the model.
         self.__dict__["_keras_model"] = model
-        self._comm = communication.init()
+        self._comm = world.init()
         self._distributed = self._comm.size > 1
         if synchronized_batch_normalization and self._distributed:
             # On one rank the micro-batch is the global batch: Keras' own moments are the serial ones.
@@ -98,7 +101,7 @@ class Model(keras.Model):
         self._local_epoch_logs = None
         self._sources = _BatchSources()
         self._epoch_order = None  # fit's, while it runs
-        self._step = backend_steps.for_model(self._comm, model)
+        self._step = backend_steps.for_model(self._comm, world.gradient_reducer(), model)
         # On TensorFlow a host-side allreduce cannot live inside an XLA cluster; JAX's jitted step
         # reaches it through callbacks.
         self._host_allreduce_outside_xla = self._distributed and keras.backend.backend() == "tensorflow"
@@ -157,7 +160,7 @@ class Model(keras.Model):
 
     def summary(self, *args, **kwargs):
         """Keras' summary, printed on the master only (on every rank with TNT_OUTPUT_ON_ALL_DEVICES)."""
-        if self._comm.rank == communication.MASTER_RANK or config.output_on_all_devices():
+        if self._comm.rank == world.MASTER_RANK or config.output_on_all_devices():
             self._keras_model.summary(*args, **kwargs)
 
     def set_weights(self, weights):
@@ -606,7 +609,7 @@ class Model(keras.Model):
         return chosen
 
     def _verbosity(self, verbose):
-        on_master = self._comm.rank == communication.MASTER_RANK
+        on_master = self._comm.rank == world.MASTER_RANK
         return verbose if on_master or config.output_on_all_devices() else 0
 
     def _warn_small_batch_normalization_batches(self, global_batch):
@@ -673,7 +676,7 @@ class Model(keras.Model):
     def _keras_output_on_master_only(self):
         """Keras' own messages (EarlyStopping's, ...) go to absl's log on the other ranks, which
         hides them by default; the user's prints still appear from every rank."""
-        if self._comm.rank == communication.MASTER_RANK or config.output_on_all_devices() or \
+        if self._comm.rank == world.MASTER_RANK or config.output_on_all_devices() or \
                 not keras.config.is_interactive_logging_enabled():
             yield
             return
@@ -826,7 +829,7 @@ def _refuse_ftrl(optimizer):
 def _check_same_variables_everywhere(comm, variables):
     layout = [(tuple(v.shape), str(v.dtype)) for v in variables]
     layouts = comm.allgather(layout, "the check that all ranks built the same model")
-    master = layouts[communication.MASTER_RANK]
+    master = layouts[world.MASTER_RANK]
     differing = [rank for rank, other in enumerate(layouts) if other != master]
     if not differing:
         return

@@ -12,7 +12,9 @@ summed over the micro-batch ("sum") the serial gradient is the plain sum of the 
 import keras
 import tensorflow as tf
 
-from tarantella import communication, config, gradients
+from tarantella import gradients
+from tarantella.common import config
+from tarantella.runtime import world
 
 _LOSS_REDUCTIONS = ("mean", "sum")
 _WEIGHTED_AS_FLOAT32 = {tf.float16, tf.bfloat16}  # m_r * g_r could overflow 16 bits
@@ -44,7 +46,7 @@ def allreduce_gradients(grads, num_samples=None, loss_reduction="mean", variable
     if loss_reduction not in _LOSS_REDUCTIONS:
         raise ValueError(f"loss_reduction={loss_reduction!r}: use 'mean' for a loss averaged over the batch "
                          "(Keras' default) or 'sum' for a loss summed over it.")
-    comm = communication.init()
+    comm = world.init()
     if comm.size == 1 or all(g is None for g in grads):
         return list(grads)
     grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
@@ -67,7 +69,7 @@ def allreduce_gradients(grads, num_samples=None, loss_reduction="mean", variable
     shapes = None
     if variables is not None:
         shapes = [tf.TensorSpec(v.shape) for v in variables] + ([wire[-1]] if samples is not None else [])
-    summed = gradients.GradientAllreduce(comm, config.fusion_threshold_bytes())(wire, shapes)
+    summed = gradients.GradientAllreduce(world.gradient_reducer(), config.fusion_threshold_bytes())(wire, shapes)
     global_batch = summed.pop()[0] if num_samples is not None else None
     if loss_reduction == "sum":
         divisor = None

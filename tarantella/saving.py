@@ -12,7 +12,9 @@ import os
 import socket
 import uuid
 
-from tarantella import backup_files, communication, timeline
+from tarantella import timeline
+from tarantella.common import backup_files
+from tarantella.runtime import world
 
 _master_alone = False  # True while a master-only callback runs: the other ranks are not saving
 
@@ -30,12 +32,12 @@ def master_alone():
 
 def write_whole(filepath, write, overwrite=True, save_all_devices=False):
     """Calls `write(partial_path)` on the writing ranks and renames the result to `filepath`."""
-    comm = communication.init()
+    comm = world.init()
     path = os.fspath(filepath)
     if "://" in path:
         raise ValueError(f"tarantella saves to local or shared file systems; {path!r} is a remote URL. "
                          "Save to a local path, then copy the file.")
-    writes_here = save_all_devices or _master_alone or comm.rank == communication.MASTER_RANK
+    writes_here = save_all_devices or _master_alone or comm.rank == world.MASTER_RANK
     together = comm.size > 1 and not _master_alone
     if not overwrite:
         # Decided before anyone writes: a rank looking after the master's rename would see

@@ -31,6 +31,8 @@ import time
 
 import numpy as np
 
+from tarantella.runtime import events as runtime_events
+
 recorder = None  # the Recorder while the timeline is on
 
 _PING_PONGS = 8
@@ -57,6 +59,7 @@ def start(comm, path):
     global recorder
     clock = comm.run("the timeline's clock comparison", lambda mpi_comm: _compare_clocks(mpi_comm, comm.size))
     recorder = Recorder(comm, os.path.abspath(path), *clock)
+    runtime_events.subscribe(recorder)
     import atexit
     # Registered after the communicator's own exit handler, so it runs first, while the ranks still talk.
     atexit.register(_write_at_exit, comm)
@@ -195,7 +198,7 @@ class Recorder:
                        "otherData": self._metadata()}, file)
         os.replace(partial, self.path)
         if report:
-            from tarantella import config
+            from tarantella.common import config
             text = step_report(gathered, self.offsets, self.hosts, config.fusion_threshold_bytes())
             if text:
                 print(text + f"\nTrace: {self.path} (open it in https://ui.perfetto.dev or chrome://tracing)",
@@ -227,7 +230,7 @@ class Recorder:
 def _write_at_exit(comm):
     """Events recorded after the last fit (custom loops, evaluate, saves) reach the file too,
     unless a failed collective left the ranks out of step."""
-    if recorder is not None and comm._broken is None:
+    if recorder is not None and comm.broken is None:
         recorder.write(comm)
 
 

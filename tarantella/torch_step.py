@@ -58,8 +58,9 @@ _MOMENTS_GRADIENTS = "the allreduce of synchronized BatchNormalization gradients
 class TorchStep:
     """Runs the wrapped model's built-in torch steps so that every rank gets the serial step's results."""
 
-    def __init__(self, communicator, model, threshold_bytes):
+    def __init__(self, communicator, reducer, model, threshold_bytes):
         self._comm = communicator
+        self._reducer = reducer
         self._model = model
         self._threshold_bytes = threshold_bytes
         # Callbacks asking for rank-local logs (aggregate_logs=False) are refused on torch.
@@ -95,7 +96,7 @@ class TorchStep:
         share = samples / global_samples
         kept = [v.numpy() for v in model.non_trainable_variables] if samples == 0 else None
         state_before = _zero(metric_variables)
-        self._round = _GradientRound(self._comm, plan, contributes=samples > 0)
+        self._round = _GradientRound(self._reducer, plan, contributes=samples > 0)
         try:
             with _share_weighted_scale_loss(model.optimizer, share), \
                     _applying_summed_gradients(model.optimizer, self._round), \
@@ -308,8 +309,8 @@ class _GradientRound:
     overlap only the backprop that follows the last backward allreduce (the layers before the
     first synchronized BatchNormalization)."""
 
-    def __init__(self, communicator, plan, contributes):
-        self._comm = communicator
+    def __init__(self, reducer, plan, contributes):
+        self._reducer = reducer
         self.plan = plan
         self._contributes = contributes
         # Zeros: a rank without samples sends them as they are, and a variable without a
@@ -346,7 +347,7 @@ class _GradientRound:
 
     def _hand_over(self, bucket):
         self._handed_over[bucket] = True
-        self._comm.submit_bucket(bucket, len(self._buffers), self._buffers[bucket], agreed=True)
+        self._reducer.submit(bucket, len(self._buffers), self._buffers[bucket], agreed=True)
 
     def summed_gradients(self):
         """{variable index: the gradient summed over ranks}, once every bucket is reduced."""
@@ -358,7 +359,7 @@ class _GradientRound:
             if not handed_over:  # some of its variables got no gradient in this backprop
                 self._hand_over(bucket)
         summed = {}
-        for (_, _, members), flat in zip(self.plan.buckets, self._comm.collect_buckets()):
+        for (_, _, members), flat in zip(self.plan.buckets, self._reducer.collect()):
             for i, offset, size in members:
                 variable = self.plan.variables[i]
                 summed[i] = torch.from_numpy(flat[offset:offset + size]).reshape(tuple(variable.shape)).to(

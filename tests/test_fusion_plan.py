@@ -42,10 +42,11 @@ def test_no_tensors_no_buckets():
 def test_two_buckets_in_one_buffer_are_refused_not_summed_twice():
     # The allreduce writes each bucket in place: one buffer handed over as two buckets would
     # hold the sum of the sum. tarantella's graph keeps buckets apart; this is the last guard.
-    from tarantella.communication import CollectiveError, _BucketRound
+    from tarantella.runtime.errors import CollectiveError
+    from tarantella.runtime.reducer import BucketRound
 
     gradient = np.arange(6, dtype=np.float32)
-    step = _BucketRound(3)
+    step = BucketRound(3)
     step.deposit(0, gradient)
     step.deposit(1, gradient.copy())  # equal values in a buffer of its own are fine
     with pytest.raises(CollectiveError, match="gradient buckets 0 and 2 of this step are one buffer"):

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from conftest import WORKERS, assert_ok, assert_ranks_like_serial, launch, quiet_env, run_python
-from tarantella.launcher.placement import count_gpus
+from tarantella.common.hardware import count_gpus
 
 GPUS = count_gpus()
 _PROBES = {"tensorflow": "import tensorflow as tf; print(len(tf.config.list_physical_devices('GPU')))",

@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, WORKERS, assert_ok, cores_seen, launch, launcher_command, quiet_env, run_python
 
 SCENARIOS = WORKERS / "scenarios.py"
-RANK_ENTRY = str(REPO / "tarantella" / "rank_entry.py")
+RANK_ENTRY = str(REPO / "tarantella" / "common" / "rank_entry.py")
 
 
 def clean_env(**extra):
@@ -63,7 +63,7 @@ def test_dry_run_shows_the_exact_command_and_environment_in_order():
                      "train.py", "--epochs", "2")
     command = command_of(output)
     assert " -n 3 " in command
-    assert re.search(r"/python[\d.]* \S+/tarantella/rank_entry\.py train\.py --epochs 2$", command), command
+    assert re.search(r"/python[\d.]* \S+/tarantella/common/rank_entry\.py train\.py --epochs 2$", command), command
     assert "-genv TNT_FUSION_THRESHOLD 8" in command and "-genv A 'has space'" in command
     assert environment_of(output) == [
         "PYTHONUNBUFFERED=1", "KERAS_BACKEND=tensorflow", "TNT_FUSION_THRESHOLD=8", "TNT_OUTPUT_ON_ALL_DEVICES=true", "TNT_LOG_LEVEL=INFO",
@@ -297,10 +297,10 @@ def test_more_ranks_than_gpus_run_on_cpu_with_a_warning_that_no_gpu_silences(tmp
 
 def test_each_rank_of_a_node_picks_its_own_gpu_or_shares_them_only_when_asked(monkeypatch):
     """The rank's side of the placement above (tests/test_gpu.py runs it on real GPUs)."""
-    from tarantella import communication
-    from tarantella.communication import _gpu_of_this_rank
+    from tarantella import devices
+    from tarantella.devices import _gpu_of_this_rank
     warnings = []
-    monkeypatch.setattr(communication.logger, "warning", lambda message, *values: warnings.append(message % values))
+    monkeypatch.setattr(devices.logger, "warning", lambda message, *values: warnings.append(message % values))
     monkeypatch.delenv("TNT_SHARE_GPUS", raising=False)
     monkeypatch.delenv("TNT_USE_GPU", raising=False)
     assert [_gpu_of_this_rank(rank, 4, 4) for rank in range(4)] == [0, 1, 2, 3]

@@ -175,7 +175,7 @@ def _group_of(pid):
 def test_the_next_backup_removes_a_partial_file_whose_writer_is_gone(tmp_path):
     """A rank stopped while it wrote (Ctrl+C, SIGKILL) leaves its hidden partial file; the next write
     of that backup removes it, but not the partial file of a writer that still runs."""
-    from tarantella import backup_files
+    from tarantella.common import backup_files
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     host, target = socket.gethostname(), backup_files.path_of(tmp_path, 1)

@@ -3,7 +3,7 @@
 Two directives:
 
 ``tnt-settings``
-    the table of every ``TNT_*`` setting, from ``tarantella.config.SETTINGS``.
+    the table of every ``TNT_*`` setting, from ``tarantella.common.config.SETTINGS``.
 ``tnt-command`` *module:function*
     a command's usage and options, from the ``argparse`` parser that *function* builds
     (``tarantella.launcher.command_line:build_parser``, ``tarantella.timeline_picture:build_parser``).
@@ -88,7 +88,7 @@ class SettingsTable(SphinxDirective):
     has_content = False
 
     def run(self):
-        from tarantella import config
+        from tarantella.common import config
         self.env.note_dependency(config.__file__)
         rows = []
         for setting in config.SETTINGS.values():

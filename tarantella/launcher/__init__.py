@@ -10,10 +10,11 @@ ranks), job (running it), output_monitor (the ranks' output and reports, the cul
 
 import sys
 
-from tarantella import config, restarts
-from tarantella.launcher import cleanup, command_line, job, job_command, mpis
+from tarantella.common import config
+from tarantella.common.hardware import count_gpus
+from tarantella.launcher import cleanup, command_line, job, job_command, mpis, restarts
 from tarantella.launcher.messages import LaunchError, say
-from tarantella.launcher.placement import count_gpus, hosts_of_the_job, place_ranks
+from tarantella.launcher.placement import hosts_of_the_job, place_ranks
 
 
 def main(argv=None):

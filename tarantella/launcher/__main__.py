@@ -1,3 +1,5 @@
+"""`python -m tarantella.launcher`: the `tarantella` command."""
+
 import sys
 
 from tarantella.launcher import main

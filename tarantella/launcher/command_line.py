@@ -5,7 +5,8 @@ import os
 import shlex
 import shutil
 
-from tarantella import __version__, restarts
+from tarantella import __version__
+from tarantella.launcher import restarts
 from tarantella.launcher.messages import LaunchError
 
 USAGE = "tarantella [options] -- program.py [program arguments ...]"

@@ -9,12 +9,12 @@ import subprocess
 import threading
 import time
 
-from tarantella import config
-from tarantella.child_processes import end_with_parent
+from tarantella.common import config
+from tarantella.common.child_processes import end_with_parent
+from tarantella.common.rank_entry import REPORT_KEY_OPTION
 from tarantella.launcher.job_command import RANK_ENTRY
 from tarantella.launcher.messages import say
 from tarantella.launcher.output_monitor import FAILURE_GRACE_S, OutputMonitor
-from tarantella.rank_entry import REPORT_KEY_OPTION
 
 _STOP_GRACE_S = 3.0  # the MPI launcher gets this long to stop its ranks before everything is killed
 

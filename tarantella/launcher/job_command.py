@@ -5,7 +5,7 @@ import os
 import shlex
 import sys
 
-from tarantella import rank_entry
+from tarantella.common import rank_entry
 
 # Variables every rank on every host gets from the launcher's environment (Open MPI, unlike
 # Hydra, passes almost nothing on by itself).

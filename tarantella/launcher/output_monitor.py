@@ -12,8 +12,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from tarantella.common.rank_entry import FAILED, FINISHED, OWN_FAILURE, RANK_ANNOUNCEMENT, STARTED, UNKNOWN_CULPRIT
 from tarantella.launcher import mpis
-from tarantella.rank_entry import FAILED, FINISHED, OWN_FAILURE, RANK_ANNOUNCEMENT, STARTED, UNKNOWN_CULPRIT
 
 FAILURE_GRACE_S = 3.0  # after a rank reported its failure, MPI gets this long to end the job itself
 # After every rank finished and its process ended, the MPI launcher gets this long to end by itself;

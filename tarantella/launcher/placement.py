@@ -8,7 +8,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from tarantella import config
+from tarantella.common import config
 from tarantella.launcher.messages import LaunchError
 
 
@@ -99,28 +99,6 @@ def _slurm_ranks_per_node():
     return counts.pop() if counts else None
 
 
-def count_gpus():
-    """GPUs of this node, found without TensorFlow; the nodes of a job are taken to be alike."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        count = 0
-        for device in visible.split(","):  # CUDA ignores everything from the first invalid entry on
-            if not device.strip() or device.strip().startswith("-"):
-                break
-            count += 1
-        return count
-    if shutil.which("nvidia-smi"):
-        try:
-            listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-            return sum(line.startswith("GPU ") for line in listing.splitlines())
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-    try:
-        return len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        return 0
-
-
 def place_ranks(options, hosts, gpus):
     """How many ranks run on each node, and whether they use GPUs."""
     nodes = max(1, len(hosts))
@@ -164,16 +142,3 @@ def _check_numa_nodes(per_node):
         raise LaunchError(f"cannot pin {per_node} ranks per node to sockets: this node has {numa_nodes} NUMA "
                           f"node(s). Run at most {numa_nodes} rank(s) per node (--n-per-node), or leave out "
                           "the pinning flags.")
-
-
-def cores_here():
-    """Physical cores this process may run on (hyperthreads share one)."""
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    cores = set()
-    for cpu in cpus:
-        try:
-            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as file:
-                cores.add(file.read().strip())
-        except OSError:
-            cores.add(str(cpu))
-    return max(1, len(cores))

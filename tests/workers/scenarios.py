@@ -344,7 +344,7 @@ def step_openings(loss):
     """Trains on 70 samples in global batches of 16 (the last has 6) for 2 epochs, with
     validation, and reports the step openings and gradient rounds it ran, and its largest
     weight difference to serial Keras trained in the same process."""
-    from tarantella import communication
+    from tarantella.runtime import communicator, reducer
     counts = {"openings": 0, "rounds": 0}
 
     def counting(name, method):
@@ -353,8 +353,8 @@ def step_openings(loss):
             return method(*args, **kwargs)
         return counted
 
-    communication.Communicator.open_step = counting("openings", communication.Communicator.open_step)
-    communication.Communicator.collect_buckets = counting("rounds", communication.Communicator.collect_buckets)
+    communicator.Communicator.open_step = counting("openings", communicator.Communicator.open_step)
+    reducer.Reducer.collect = counting("rounds", reducer.Reducer.collect)
     data = dataset(samples=70)
     losses = {"mean": "sparse_categorical_crossentropy",
               "sum": keras.losses.SparseCategoricalCrossentropy(reduction="sum")}

@@ -3,8 +3,8 @@
 import os
 import re
 
+from tarantella.common.hardware import cores_here
 from tarantella.launcher.mpis.base import SAME_PATH_FIX, SSH_FIX, Ending, MpiLauncher
-from tarantella.launcher.placement import cores_here
 
 # mpirun refuses to run as root (common in containers) unless both are set.
 ROOT_PERMISSION = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")

@@ -36,6 +36,10 @@ _ORPHAN_GRACE_S = 1.0
 # Where MPI launchers put the rank before MPI starts: Hydra, Open MPI, PMIx, Slurm.
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 PARENT_WATCH_THREAD = "tarantella-parent-watch"
+# Set by tarantella's runtime once it runs in this rank (this module imports nothing of tarantella):
+# the CollectiveError behind an error, if any, and how to tell the other ranks this one fails.
+unwrap_failure = None
+tell_other_ranks = None
 
 _report_key = None  # this job's key; None where the `tarantella` command did not start the rank
 _failure_reported = False
@@ -76,9 +80,8 @@ def write_to_process_stderr(line):
 
 def describe_failure(error):
     """(error name, culprit field, one-line summary or "") for the report of an uncaught `error`."""
-    communication = sys.modules.get("tarantella.communication")
-    if communication is not None:  # TensorFlow wraps tarantella's errors raised inside a step
-        error = communication.collective_failure_behind(error) or error
+    if unwrap_failure is not None:  # TensorFlow wraps tarantella's errors raised inside a step
+        error = unwrap_failure(error) or error
     culprit = getattr(error, "culprit", None)
     mpi = sys.modules.get("mpi4py.MPI")
     if culprit is None and mpi is not None and isinstance(error, mpi.Exception):
@@ -115,9 +118,8 @@ def watch_parent():
         summary = (f"rank {launcher_rank()} on host {socket.gethostname()} lost its MPI proxy ({parent_name}, pid "
                    f"{parent}): it ended (killed, or its ssh connection dropped), so this rank stopped")
         write_to_process_stderr(f"tarantella: {summary}.")
-        communication = sys.modules.get("tarantella.communication")
-        if communication is not None:
-            communication.tell_other_ranks_this_one_failed(summary)
+        if tell_other_ranks is not None:
+            tell_other_ranks(summary)
         # A moment longer: the `tarantella` command tells ranks that outlive their proxy from
         # ranks their proxy killed as it ended.
         time.sleep(_ORPHAN_GRACE_S)
@@ -132,7 +134,7 @@ def main():
     # would hide the program's own (data.py, config.py, ...). The program's folder goes there.
     sys.path[0] = os.getcwd()
     # tarantella, once the program imports it, reports through this module, which holds the key.
-    sys.modules["tarantella.rank_entry"] = sys.modules[__name__]
+    sys.modules["tarantella.common.rank_entry"] = sys.modules[__name__]
     arguments = sys.argv[1:]
     if arguments and arguments[0].startswith(REPORT_KEY_OPTION):
         _report_key = arguments.pop(0)[len(REPORT_KEY_OPTION):]

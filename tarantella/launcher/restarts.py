@@ -22,8 +22,10 @@ import tempfile
 import threading
 import time
 
-from tarantella import backup_files, config
-from tarantella.child_processes import end_with_parent
+from tarantella.common import backup_files, config, hardware
+from tarantella.common.child_processes import end_with_parent
+from tarantella.launcher import placement
+from tarantella.launcher.messages import LaunchError
 
 _FAILURE = re.compile(r"tarantella: the job failed \(exit status (\d+)\): (.*)")
 _REFUSAL = "tarantella: error: "
@@ -229,9 +231,6 @@ def _default_directory(program):
 
 
 def _hosts_and_ranks_per_node(options):
-    from tarantella.launcher import placement  # the launcher package imports this module
-    from tarantella.launcher.messages import LaunchError
-
     if options.hostfile:
         hosts = placement.read_hostfile(options.hostfile)
     else:
@@ -241,7 +240,7 @@ def _hosts_and_ranks_per_node(options):
         raise ValueError("--min-ranks leaves out hosts that do not answer, so it needs several: give them with "
                          "--hostfile, or run inside a Slurm allocation.")
     try:
-        ranks = placement.place_ranks(options, hosts, placement.count_gpus())
+        ranks = placement.place_ranks(options, hosts, hardware.count_gpus())
     except LaunchError as error:
         raise ValueError(str(error)) from None
     if options.min_ranks > ranks.ranks:
