@@ -293,7 +293,8 @@ def remove_gradient_allreduce(backend):
             if opening is None:
                 return list(rank_gradients)
             # The round would have opened the step: the sizes are summed in a collective of their own.
-            communicator = self._comm
+            import tarantella as tnt
+            communicator = tnt.init()
             open_step = lambda samples: np.float64(communicator.open_step(
                 "the allreduce of micro-batch sizes", "a step without gradient allreduce", int(samples)))
             global_samples = tf.numpy_function(open_step, [tf.cast(opening[0], tf.int64)], tf.float64, stateful=True)
@@ -343,10 +344,10 @@ def main():
         if args.variant == "timeline":
             os.environ["TNT_TIMELINE"] = os.path.join(args.control, "timeline.json")
         import tarantella as tnt
-        from tarantella.runtime import communicator as communicator_module
-        from tarantella.runtime import world
         if args.variant == "no-allreduce":
             remove_gradient_allreduce(keras.backend.backend())
+        if "no-agreement" in args.variant or "no-monitor" in args.variant:
+            from tarantella.runtime import communicator as communicator_module
         if "no-agreement" in args.variant:
             def enter_without_agreement(self, what, agree_on, carried=0):
                 self.current = what
@@ -360,7 +361,7 @@ def main():
             communicator_module.Communicator.open_step = open_step_without_agreement
         if "no-monitor" in args.variant:
             communicator_module.PeerMonitor = lambda side_comm, communicator: None
-        communicator = world.init()
+        communicator = tnt.init()  # also at --against revisions, whatever their modules
         rank, ranks, is_master = communicator.rank, communicator.size, tnt.is_master_rank()
         tarantella_folder = os.path.dirname(os.path.dirname(tnt.__file__))
 
