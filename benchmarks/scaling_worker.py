@@ -278,16 +278,16 @@ def remove_gradient_allreduce(backend):
     """Each rank applies its own (share-weighted) gradients: the same compute, no gradient traffic.
     The rest of the backend's step (its opening, the metrics' allreduce) stays."""
     if backend == "jax":
-        from tarantella import jax_step
-        jax_step.JaxStep._sum_gradients = lambda self, sequence, grads, contributes: (grads, None)
+        from tarantella.backends.jax.step import JaxStep
+        JaxStep._sum_gradients = lambda self, sequence, grads, contributes: (grads, None)
     elif backend == "torch":
         # The hooks still copy each gradient into its bucket; no bucket is handed to the
         # communicator, and the optimizer, finding no sums, applies the rank's own gradients.
-        from tarantella import torch_step
+        from tarantella.backends.torch import step as torch_step
         torch_step._GradientRound._hand_over = lambda self, bucket: None
         torch_step._GradientRound.summed_gradients = lambda self: {}
     else:
-        from tarantella import gradients
+        from tarantella.backends.tensorflow import gradients
 
         def keep_own_gradients(self, rank_gradients, *_, opening=None, **__):  # the rest varies by revision
             if opening is None:

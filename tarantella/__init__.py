@@ -22,16 +22,8 @@ def _started_as_launcher():
 
 
 if not _started_as_launcher():
-    from tarantella import backend_steps as _backend_steps
-    try:
-        import keras
-        keras.backend.backend()
-    except ModuleNotFoundError as missing:
-        _error = _backend_steps.missing_module_error(missing.name)
-        if _error is None:
-            raise
-        raise _error from None
-    _backend_steps.check_supported(keras.backend.backend())
+    from tarantella import backends as _backends
+    _backends.check_supported()
 
     from tarantella.runtime.errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
                                            RankFailedError, RankLeftError)

@@ -22,6 +22,7 @@ import time
 import keras
 import numpy as np
 
+from tarantella import backends
 from tarantella.common import backup_files, config
 from tarantella.runtime import world
 
@@ -138,41 +139,25 @@ class AutomaticBackups(keras.callbacks.Callback):
         self.model._initial_epoch = header["epoch"]
         self._steps_to_replay = header["step"]
         if self._steps_to_replay:
-            train_function = self.model.train_function
-            if keras.backend.backend() == "jax":  # a pure function of the state and the iterator
-                # Read once: on JAX, each read of a callback's `model` writes the state of the epoch's
-                # steps into the variables, which a step then reads again instead of its own state.
-                model = self.model
-                model.train_function = lambda state, iterator: self._replay_or_train_on_jax(
-                    model, train_function, state, iterator)
-            else:
-                self.model.train_function = lambda step_input: self._replay_or_train(train_function, step_input)
+            # The model read once: on JAX, each read of a callback's `model` writes the state of the
+            # epoch's steps into the variables, which a step then reads again instead of its own state.
+            model = self.model
+            model.train_function = backends.step_class().replayed_train_function(model, model.train_function, self)
         logger.info("fit #%d resumes from %s at epoch %d, step %d.", self._fit_number, self._path,
                     header["epoch"] + 1, header["step"])
 
-    def _replay_or_train(self, train_function, step_input):
-        """`step_input`: the iterator on TensorFlow; on torch, the batches Keras has drawn for the step."""
-        if self._steps_to_replay <= 0:
-            self.model.train_function = train_function  # replaying is over: the step itself from now on
-            self._replayed = False
-            return train_function(step_input)
-        if hasattr(step_input, "get_next"):
-            for _ in range(self.model.steps_per_execution):
-                step_input.get_next()  # the batch the uninterrupted run trained on here
-        self._steps_to_replay -= self.model.steps_per_execution
+    def over(self):
+        """Whether the steps to replay are done (the step trains again from now on)."""
+        if self._steps_to_replay > 0:
+            return False
+        self._replayed = False
+        return True
+
+    def replayed(self, steps):
+        """Counts `steps` replayed without training; returns the logs a replayed step shows."""
+        self._steps_to_replay -= steps
         self._replayed = True
         return dict(self._latest_logs)
-
-    def _replay_or_train_on_jax(self, model, train_function, state, iterator):
-        if self._steps_to_replay <= 0:
-            model.train_function = train_function
-            self._replayed = False
-            return train_function(state, iterator)
-        for _ in range(model.steps_per_execution):
-            next(iterator)
-        self._steps_to_replay -= model.steps_per_execution
-        self._replayed = True
-        return dict(self._latest_logs), state
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch

@@ -21,6 +21,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tarantella import backends
+from tarantella.backends import fusion
 from tarantella.runtime import world
 
 
@@ -33,8 +35,6 @@ class ReductionOp(str, enum.Enum):
     MAX = "max"
 
 
-# MPI has no portable 16-bit float: such values are reduced in float32 and cast back.
-_REDUCED_AS_FLOAT32 = {tf.float16, tf.bfloat16}
 _REDUCIBLE = {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.int16, tf.int32, tf.int64,
               tf.uint8, tf.uint16, tf.uint32, tf.uint64, tf.complex64, tf.complex128}
 _MOVABLE = _REDUCIBLE | {tf.bool}
@@ -224,20 +224,11 @@ def _collective(name, values, leaves, operation, output_shape, detail, rows_may_
 def _leaves(name, values):
     leaves = tf.nest.flatten(values)
     converted = []
+    step = backends.step_class()
     for leaf in leaves:
-        if isinstance(leaf, keras.Variable) and keras.backend.backend() in ("jax", "torch"):
-            # Its value as NumPy (and NumPy comes back), as for a JAX array; inside jitted code a
-            # JAX variable's value is traced, and refused below.
-            leaf = leaf.value
-            if keras.backend.backend() == "torch":
-                leaf = leaf.detach().cpu().numpy()
-        if type(leaf).__module__.startswith("jax"):
-            leaf = _concrete_jax_array(name, leaf)
-        if keras.backend.backend() == "torch" and not isinstance(leaf, (np.ndarray, np.generic, int, float,
-                                                                         complex, bool, type(None))):
-            raise NotImplementedError(
-                f"tnt.{name} does not take {type(leaf).__name__} values on Keras' PyTorch backend yet. Pass "
-                "NumPy arrays or numbers (e.g. tensor.detach().cpu().numpy()), or use the TensorFlow backend.")
+        leaf = step.collective_leaf(name, leaf)
+        if type(leaf).__module__.startswith("jax"):  # a JAX array where another backend runs
+            leaf = np.asarray(leaf)
         if leaf is None or isinstance(leaf, (tf.Tensor, tf.Variable, keras.Variable)):
             converted.append(leaf)
         elif isinstance(leaf, (np.ndarray, np.generic, int, float, complex, bool)):
@@ -246,19 +237,6 @@ def _leaves(name, values):
             raise TypeError(f"tnt.{name} takes tensors, variables, NumPy arrays and numbers, or lists, "
                             f"tuples and dicts of them; got {type(leaf).__name__}.")
     return [leaf if leaf is None or isinstance(leaf, np.ndarray) else _DTypeOf(leaf) for leaf in converted]
-
-
-def _concrete_jax_array(name, value):
-    """A JAX array as NumPy; a traced one (inside jax.jit, e.g. a jitted Keras step) is refused."""
-    import jax
-
-    if isinstance(value, jax.core.Tracer):
-        raise NotImplementedError(
-            f"tnt.{name} cannot run inside jitted code (a custom step, a jax.jit function) on Keras' JAX "
-            "backend yet. Call it "
-            "outside jit, on NumPy or JAX arrays (e.g. in a callback or between fit calls), or use the "
-            "TensorFlow backend, where it runs inside tf.function.")
-    return np.asarray(value)
 
 
 class _DTypeOf:
@@ -310,7 +288,8 @@ def _allreduce(mpi_comm, arrays, op):
               ReductionOp.MIN: MPI.MIN, ReductionOp.MAX: MPI.MAX}[op]
     results = []
     for array in arrays:
-        wire = array.astype(np.float32) if tf.as_dtype(array.dtype) in _REDUCED_AS_FLOAT32 else array.copy()
+        # MPI has no portable 16-bit float (backends.fusion): such values are reduced in float32 and cast back.
+        wire = array.astype(fusion.wire_dtype(tf.as_dtype(array.dtype).name))
         mpi_comm.Allreduce(MPI.IN_PLACE, wire, op=mpi_op)
         if op is ReductionOp.AVERAGE:
             wire /= mpi_comm.Get_size()

@@ -24,7 +24,7 @@ from keras.src.trainers.data_adapters import array_data_adapter, array_slicing
 from tensorflow.python.data.util import structure
 from tensorflow.python.framework import random_seed
 
-from tarantella import keras_batches
+from tarantella import backends, keras_batches
 from tarantella.common import config
 from tarantella.runtime import world
 
@@ -717,24 +717,12 @@ class EpochOrder(keras.callbacks.Callback):
         if self._keras_epoch_iterator is not None:
             keras_batches.replay_passes(self._keras_epoch_iterator, skipped)
         elif self._dataset is not None:
-            per_epoch = keras_iterators_per_epoch(int(self._dataset.cardinality()) >= 0)
+            # Checked against Keras in tests/test_keras_internals.py.
+            per_epoch = backends.step_class().keras_iterators_per_epoch(int(self._dataset.cardinality()) >= 0)
             for _ in range(skipped):
                 next(iter(self._dataset), None)  # the epoch's own iterator
                 for _ in range(per_epoch - 1):
                     iter(self._dataset)  # Keras' unused one
-
-
-def keras_iterators_per_epoch(batches_known):
-    """How many iterators Keras' fit (without steps_per_epoch) creates on its dataset per epoch.
-
-    Keras creates one at the start of every epoch and, when the dataset's cardinality tells it
-    the number of batches, another one (unused) as soon as an epoch has seen them all. (Checked
-    against Keras in tests/test_keras_internals.py.) Keras-on-JAX's fit creates one per epoch, and
-    so does Keras-on-torch's: its DataLoader over the dataset makes the dataset's iterator only when
-    the first batch is asked for, which the unused one never is."""
-    if keras.backend.backend() in ("jax", "torch"):
-        return 1
-    return 2 if batches_known else 1
 
 
 def global_batches(method, dataset, micro_batch_size=None, ranks=1):

@@ -30,6 +30,8 @@ import tensorflow as tf
 # Keras' test of whether it slices an input as arrays; tests/test_keras_internals.py checks it.
 from keras.src.trainers.data_adapters import array_data_adapter
 
+from tarantella import backends
+
 
 def is_torch_data_loader(x):
     """Whether `x` is a torch.utils.data.DataLoader (without importing torch where it is not in use)."""
@@ -57,10 +59,11 @@ def refuse_unknown_input(method, x):
 
 
 def needs_own_shuffle(x, shuffle):
-    """Whether shuffled arrays on TensorFlow must use tarantella's seeded shuffle: without a global
+    """Whether shuffled arrays must use tarantella's seeded shuffle: on TensorFlow without a global
     TensorFlow seed, Keras' `tf.random.shuffle` draws a different order in every process."""
     shuffled_arrays = bool(shuffle) and not isinstance(x, keras.utils.PyDataset) and not is_torch_data_loader(x)
-    return shuffled_arrays and keras.backend.backend() == "tensorflow" and tf.compat.v1.get_seed(None)[0] is None
+    return (shuffled_arrays and backends.step_class().keras_array_shuffle_differs_per_process
+            and tf.compat.v1.get_seed(None)[0] is None)
 
 
 def keras_batch_size(method, x, batch_size, micro_batch_size, ranks):

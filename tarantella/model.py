@@ -1,10 +1,9 @@
 """tnt.Model: a keras.Model that trains data-parallel across all ranks.
 
 A thin wrapper: it turns the user's input into each rank's micro-batches (data.py), runs
-the wrapped model's own steps through the step module of Keras' backend (backend_steps.py:
-`distributed_step.DistributedStep` on TensorFlow, `jax_step.JaxStep` on JAX, `torch_step.TorchStep`
-on PyTorch, which make the
-gradients, losses and metrics those of the serial step), gives every rank the master's
+the wrapped model's own steps through the global step of Keras' backend (a `backends.base.Step`:
+`TensorFlowStep`, `JaxStep` or `TorchStep`, which make the gradients, losses and metrics those
+of the serial step), gives every rank the master's
 weights before the first step, and saves through saving.py. Everything else a Keras user
 reads answers as the wrapped model does. With one rank, every method is plain Keras.
 """
@@ -20,7 +19,7 @@ import tensorflow as tf
 # Keras' validation_split, for arrays tarantella shuffles itself; tests/test_keras_internals.py checks it.
 from keras.src.trainers.data_adapters import array_slicing
 
-from tarantella import agreement, backend_steps, backups, data, keras_batches, saving, timeline
+from tarantella import agreement, backends, backups, data, keras_batches, saving, timeline
 from tarantella import callbacks as callbacks_module
 from tarantella.common import config
 from tarantella.runtime import world
@@ -84,7 +83,7 @@ class Model(keras.Model):
         if not isinstance(synchronized_batch_normalization, bool):
             raise TypeError(f"synchronized_batch_normalization must be True or False; got "
                             f"{synchronized_batch_normalization!r}.")
-        _refuse_what_the_backend_lacks(model)
+        _refuse_what_the_backend_lacks(backends.step_class(), model)
         super().__init__(name=model.name)
         self._keras_model = model
         # torch.nn.Module keeps sub-modules out of __dict__, where the lookups below read the model.
@@ -101,10 +100,10 @@ class Model(keras.Model):
         self._local_epoch_logs = None
         self._sources = _BatchSources()
         self._epoch_order = None  # fit's, while it runs
-        self._step = backend_steps.for_model(self._comm, world.gradient_reducer(), model)
+        self._step = backends.for_model(self._comm, world.gradient_reducer(), model)
         # On TensorFlow a host-side allreduce cannot live inside an XLA cluster; JAX's jitted step
         # reaches it through callbacks.
-        self._host_allreduce_outside_xla = self._distributed and keras.backend.backend() == "tensorflow"
+        self._host_allreduce_outside_xla = self._distributed and not self._step.collectives_inside_xla
         if self._host_allreduce_outside_xla:
             self._jit_compile = False
         self.built = model.built
@@ -432,7 +431,7 @@ class Model(keras.Model):
         if self._distributed:
             self._prepare(element_spec, kind)
 
-    # -- the steps: the wrapped model's own, made global by DistributedStep -----------------
+    # -- the steps: the wrapped model's own, made global by the backend's Step ---------------
 
     def make_train_function(self, force=False):
         return self._made("train", force, super().make_train_function, "training step")
@@ -503,7 +502,7 @@ class Model(keras.Model):
         self._prepare(spec, step)
         rank, size = self._comm.rank, self._comm.size
         rows = tf.nest.map_structure(lambda t: data.rows_of_rank(t, rank, size), batch)
-        if keras.backend.backend() != "tensorflow":  # Keras-on-JAX and on torch take arrays here
+        if self._step.keras_steps_take_arrays:
             rows = tf.nest.map_structure(lambda t: t.numpy(), rows)
         return keras.utils.unpack_x_y_sample_weight(rows)
 
@@ -591,7 +590,7 @@ class Model(keras.Model):
         see serial Keras' orders. The pass reads its first batch, as Keras' does: some pipelines draw
         their seeds only then (a shuffled `list_files` under a parallel interleave), and an iterator
         that reads nothing would leave every later epoch one order behind serial Keras'."""
-        if keras.backend.backend() == "tensorflow" or not keras_batches.needs_build(self._keras_model):
+        if not self._step.keras_builds_from_an_extra_pass or not keras_batches.needs_build(self._keras_model):
             return
         next(iter(dataset), None)
         self._keras_model._symbolic_build(data_batch=dataset.element_spec)
@@ -599,11 +598,10 @@ class Model(keras.Model):
     def _callbacks_for_this_rank(self, user_callbacks):
         chosen = callbacks_module.for_this_rank(user_callbacks, self._comm)
         wants_local = any(isinstance(c, callbacks_module.Callback) and not c.aggregate_logs for c in chosen)
-        backend = _BACKEND_NAMES.get(keras.backend.backend())
-        if wants_local and backend is not None:
-            raise NotImplementedError(
-                "tnt.keras.callbacks.Callback(aggregate_logs=False) (rank-local logs) is not supported on "
-                f"Keras' {backend} backend yet. Use aggregate_logs=True (global logs), or the TensorFlow backend.")
+        if wants_local:
+            self._step.refuse_unless("rank_local_logs",
+                                     "tnt.keras.callbacks.Callback(aggregate_logs=False) (rank-local logs)",
+                                     "Use aggregate_logs=True (global logs), or the TensorFlow backend.")
         if self._distributed:
             self._track_local_metrics(wants_local)
         return chosen
@@ -743,36 +741,17 @@ class Sequential(Model):
         return wrapper
 
 
-# How tarantella's messages name the Keras backends whose steps lack some features.
-_BACKEND_NAMES = {"jax": "JAX", "torch": "PyTorch"}
-
-
-def _refuse_what_the_backend_lacks(model):
-    """Features of tnt.Model that the JAX and torch steps do not have yet: refused on every rank,
-    before any collective, so that no rank waits for another."""
-    backend = _BACKEND_NAMES.get(keras.backend.backend())
-    if backend is None:
-        return
-    if backend == "JAX":
-        import jax
-        refusal = jax_platform_refusal(jax.default_backend())
-        if refusal:
-            raise NotImplementedError(refusal)
+def _refuse_what_the_backend_lacks(step, model):
+    """Features of tnt.Model that the backend's `step` class lacks: refused on every rank, before any
+    collective, so that no rank waits for another."""
+    step.check_platform()
     overridden = [method for method in ("train_step", "test_step") if _overrides(model, method)]
     if overridden:
-        raise NotImplementedError(
-            f"{type(model).__name__} overrides {' and '.join(overridden)}: a custom step is not supported on "
-            f"Keras' {backend} backend yet (tarantella builds the {backend} step from Keras' built-in one). Use "
-            "the built-in step (customize compute_loss or the metrics instead), or the TensorFlow backend.")
-
-
-def jax_platform_refusal(platform):
-    """The refusal for a JAX `platform` the JAX step cannot run on, or None for the CPU and GPUs
-    (whose gradients the step copies to the host for MPI)."""
-    if platform in ("cpu", "gpu"):
-        return None
-    return (f"tnt.Model on Keras' JAX backend runs on CPUs and GPUs only yet, and this rank's JAX runs on "
-            f"{platform!r}. Set JAX_PLATFORMS=cpu (or cuda) for the job, or use KERAS_BACKEND=tensorflow.")
+        name = step.backend_name
+        step.refuse_unless("custom_steps", f"{type(model).__name__} overrides {' and '.join(overridden)}: a custom step",
+                           why=f" (tarantella builds the {name} step from Keras' built-in one)",
+                           instead="Use the built-in step (customize compute_loss or the metrics instead), or the "
+                                   "TensorFlow backend.")
 
 
 @contextlib.contextmanager

@@ -12,21 +12,22 @@ summed over the micro-batch ("sum") the serial gradient is the plain sum of the 
 import keras
 import tensorflow as tf
 
-from tarantella import gradients
+from tarantella import backends
+from tarantella.backends import fusion
+from tarantella.backends.tensorflow import gradients
 from tarantella.common import config
 from tarantella.runtime import world
 
 _LOSS_REDUCTIONS = ("mean", "sum")
-_WEIGHTED_AS_FLOAT32 = {tf.float16, tf.bfloat16}  # m_r * g_r could overflow 16 bits
 
 
-def _refuse_on_jax_and_torch():
-    backend = {"jax": "JAX", "torch": "PyTorch"}.get(keras.backend.backend())
-    if backend is not None:
-        raise NotImplementedError(
-            f"tnt.optimizers (allreduce_gradients, Optimizer) is not supported on Keras' {backend} backend yet: "
-            f"it builds TensorFlow ops for a custom training loop. On {backend}, train with tnt.Model's fit "
-            "(Keras' built-in step), or use the TensorFlow backend for custom training loops.")
+def _refuse_where_the_backend_lacks_custom_training_loops():
+    step = backends.step_class()
+    step.refuse_unless(
+        "custom_training_loops", "tnt.optimizers (allreduce_gradients, Optimizer)",
+        why=": it builds TensorFlow ops for a custom training loop",
+        instead=f"On {step.backend_name}, train with tnt.Model's fit (Keras' built-in step), or use the TensorFlow "
+                "backend for custom training loops.")
 
 
 def allreduce_gradients(grads, num_samples=None, loss_reduction="mean", variables=None):
@@ -42,7 +43,7 @@ def allreduce_gradients(grads, num_samples=None, loss_reduction="mean", variable
     `variables` (aligned with `grads`) gives each gradient its variable's shape, for
     gradients whose static shape TensorFlow left partly unknown (Dense on 3-D inputs).
     """
-    _refuse_on_jax_and_torch()
+    _refuse_where_the_backend_lacks_custom_training_loops()
     if loss_reduction not in _LOSS_REDUCTIONS:
         raise ValueError(f"loss_reduction={loss_reduction!r}: use 'mean' for a loss averaged over the batch "
                          "(Keras' default) or 'sum' for a loss summed over it.")
@@ -59,7 +60,7 @@ def allreduce_gradients(grads, num_samples=None, loss_reduction="mean", variable
     wire = []
     for g in grads:
         if g is not None:
-            g = tf.cast(g, tf.float32) if g.dtype in _WEIGHTED_AS_FLOAT32 else g
+            g = tf.cast(g, fusion.wire_dtype(g.dtype.name))  # and m_r * g_r could overflow 16 bits
             g = g * tf.cast(weight, g.dtype)
             if samples is not None:  # 0 * NaN is NaN: a rank without samples must send zeros
                 g = tf.where(samples > 0, g, tf.zeros_like(g))
@@ -106,7 +107,7 @@ class Optimizer:
     """
 
     def __init__(self, optimizer, loss_reduction="mean"):
-        _refuse_on_jax_and_torch()
+        _refuse_where_the_backend_lacks_custom_training_loops()
         if isinstance(optimizer, Optimizer):
             raise TypeError("This optimizer is already a tnt.optimizers.Optimizer; wrap the Keras optimizer once.")
         if loss_reduction not in _LOSS_REDUCTIONS:

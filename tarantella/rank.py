@@ -1,6 +1,7 @@
 """Making this process a rank: MPI started, its devices chosen, the timeline on where asked for."""
 
-from tarantella import devices, timeline
+from tarantella import backends, timeline
+from tarantella.backends import devices
 from tarantella.common import config
 from tarantella.runtime import world
 
@@ -20,7 +21,8 @@ def init():
     if not _set_up:
         _set_up = True
         if communicator.size > 1 or not config.use_gpu():
-            devices.configure(world.node_share())
+            share = world.node_share()
+            backends.step_class().configure_devices(share, devices.threads_of_rank(share))
         if config.timeline_path() is not None:
             timeline.start(communicator, config.timeline_path())
     return communicator

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from tarantella.gradients import plan_buckets
+from tarantella.backends.fusion import plan_buckets
 
 F32, F64 = "float32", "float64"
 

@@ -148,7 +148,7 @@ def test_features_missing_on_jax_are_refused_on_every_rank(feature, named):
 def test_the_jax_step_runs_on_cpus_and_gpus_and_refuses_other_platforms_naming_the_way_out():
     """No accelerator here: the CPU case runs in every test of this file (the GPU one ran on a lent
     GPU, see the guide's "Backends"); the message another platform gets is checked as text."""
-    from tarantella.model import jax_platform_refusal
+    from tarantella.backends.jax.step import platform_refusal as jax_platform_refusal
     assert jax_platform_refusal("cpu") is None and jax_platform_refusal("gpu") is None
     message = jax_platform_refusal("tpu")
     assert "'tpu'" in message and "JAX_PLATFORMS=cpu" in message and "KERAS_BACKEND=tensorflow" in message

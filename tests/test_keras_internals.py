@@ -9,7 +9,8 @@ import pytest
 import tensorflow as tf
 
 from conftest import run_python
-from tarantella import distributed_step
+from tarantella import backends
+from tarantella.backends.tensorflow import traced_step
 
 
 def test_a_loss_hands_its_output_mask_and_ignored_classes_to_the_reduction_tarantella_replaces():
@@ -17,17 +18,17 @@ def test_a_loss_hands_its_output_mask_and_ignored_classes_to_the_reduction_taran
     output = keras.layers.Dense(3)(keras.layers.Embedding(5, 3, mask_zero=True)(tokens))
     y_pred = keras.Model(tokens, output)(np.array([[1, 2, 3, 0]]))
     masks = []
-    original = distributed_step.keras_loss.reduce_weighted_values
+    original = traced_step.keras_loss.reduce_weighted_values
 
     def watched(values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None):
         masks.append(mask)
         return original(values, sample_weight, mask, reduction, dtype)
 
-    distributed_step.keras_loss.reduce_weighted_values = watched
+    traced_step.keras_loss.reduce_weighted_values = watched
     try:
         keras.losses.SparseCategoricalCrossentropy(ignore_class=0)(np.array([[1, 0, 2, 2]]), y_pred)
     finally:
-        distributed_step.keras_loss.reduce_weighted_values = original
+        traced_step.keras_loss.reduce_weighted_values = original
     assert len(masks) == 1, "Loss.__call__ no longer calls keras.src.losses.loss.reduce_weighted_values"
     # The output's mask (token 0 at the end) and the ignored class (target 0) combined.
     np.testing.assert_array_equal(masks[0], [[True, False, True, False]])
@@ -75,23 +76,22 @@ def test_keras_messages_can_be_routed_away_from_stdout():
 
 def test_synchronized_batch_normalization_computes_its_moments_in_the_function_tarantella_replaces():
     calls = []
-    original = distributed_step.keras_tensorflow_nn._compute_moments_sync
+    original = traced_step.keras_tensorflow_nn._compute_moments_sync
 
     def watched(x, axes, keepdims):
         calls.append(axes)
         return original(x, axes, keepdims)
 
-    distributed_step.keras_tensorflow_nn._compute_moments_sync = watched
+    traced_step.keras_tensorflow_nn._compute_moments_sync = watched
     try:
         layer = keras.layers.BatchNormalization(synchronized=True)
         layer(np.ones((4, 3), np.float32), training=True)
     finally:
-        distributed_step.keras_tensorflow_nn._compute_moments_sync = original
+        traced_step.keras_tensorflow_nn._compute_moments_sync = original
     assert calls, "BatchNormalization(synchronized=True) no longer calls _compute_moments_sync"
 
 
 def test_keras_fit_creates_as_many_iterators_before_each_epoch_as_tarantella_skips_when_resuming(monkeypatch):
-    from tarantella import data
     created = []
     real_iter = tf.data.Dataset.__iter__
     monkeypatch.setattr(tf.data.Dataset, "__iter__", lambda dataset: created.append(1) or real_iter(dataset))
@@ -109,7 +109,7 @@ def test_keras_fit_creates_as_many_iterators_before_each_epoch_as_tarantella_ski
         counter.counts = []
         created.clear()
         model.fit(dataset, epochs=4, verbose=0, callbacks=[counter])
-        assert counter.counts == [epoch * data.keras_iterators_per_epoch(batches_known) for epoch in range(4)]
+        assert counter.counts == [epoch * backends.step_class().keras_iterators_per_epoch(batches_known) for epoch in range(4)]
 
 
 def test_keras_own_train_step_differentiates_what_optimizer_scale_loss_returns():
@@ -124,10 +124,10 @@ def test_keras_own_train_step_differentiates_what_optimizer_scale_loss_returns()
     assert calls, "Keras' train_step no longer calls optimizer.scale_loss"
     for old, new in zip(before, model.get_weights()):
         np.testing.assert_array_equal(new, old, err_msg="the gradients did not come from scale_loss's value")
-    assert type(model).train_step is keras.Model.train_step  # how DistributedStep recognises Keras' own step
+    assert type(model).train_step is keras.Model.train_step  # how TensorFlowStep recognises Keras' own step
 
 
-# tarantella/jax_step.py and tarantella/torch_step.py replace `moments` of Keras' JAX and torch
+# tarantella/backends/jax/step.py and tarantella/backends/torch/step.py replace `moments` of Keras' JAX and torch
 # backends during a training step. Each backend runs in its own process (KERAS_BACKEND is read once).
 _MOMENTS_ON_BACKEND = """
 import inspect, os, sys

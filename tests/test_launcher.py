@@ -297,8 +297,8 @@ def test_more_ranks_than_gpus_run_on_cpu_with_a_warning_that_no_gpu_silences(tmp
 
 def test_each_rank_of_a_node_picks_its_own_gpu_or_shares_them_only_when_asked(monkeypatch):
     """The rank's side of the placement above (tests/test_gpu.py runs it on real GPUs)."""
-    from tarantella import devices
-    from tarantella.devices import _gpu_of_this_rank
+    from tarantella.backends import devices
+    from tarantella.backends.devices import gpu_of_this_rank as _gpu_of_this_rank
     warnings = []
     monkeypatch.setattr(devices.logger, "warning", lambda message, *values: warnings.append(message % values))
     monkeypatch.delenv("TNT_SHARE_GPUS", raising=False)

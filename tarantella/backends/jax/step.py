@@ -8,7 +8,7 @@ from the wrapped model's stateless parts (`compute_loss_and_updates`, the optimi
    agrees on the step's whole sequence of collectives and sums the ranks' sample counts m
    (a static number in a jitted step, as every shape is);
 2. gradients: each rank differentiates its loss times its share m/B, and the gradients are
-   summed over ranks in fused buckets (the plan of gradients.py, last layer first). A gradient
+   summed over ranks in fused buckets (the plan of backends/fusion.py, last layer first). A gradient
    that alone reaches the fusion threshold is its own bucket, handed over unconcatenated. The
    sum is a `buffer_callback` whose outputs alias its inputs: the worker sums each bucket in
    place, in the very buffer XLA computed it in, so nothing is copied in or out and no fresh
@@ -19,7 +19,7 @@ from the wrapped model's stateless parts (`compute_loss_and_updates`, the optimi
    micro-batch's loss weighted by m, so the summed tracker holds the serial mean loss.
 4. losses that do not divide by the micro-batch's entries (masked, weighted means, sums):
    each compiled loss term's divisor is summed over ranks and its value rescaled
-   (loss_reductions.global_loss_terms), so that share-weighted sums give the serial loss;
+   (loss_terms.global_loss_terms), so that share-weighted sums give the serial loss;
 5. synchronized BatchNormalization (`layer.synchronized = True`, or
    `tnt.Model(..., synchronized_batch_normalization=True)`): while the training step is traced,
    Keras' JAX `moments` (which refuses `synchronized=True`) is replaced. Each rank sums
@@ -66,17 +66,58 @@ from jax.experimental.buffer_callback import buffer_callback
 # tests/test_keras_internals.py checks that the layer still calls it.
 from keras.src.backend.jax import nn as keras_jax_nn
 
-from tarantella import gradients, loss_reductions
+from tarantella.backends import fusion, loss_terms
+from tarantella.backends.base import Step
+from tarantella.backends.jax import devices as jax_devices
+from tarantella.backends.tensorflow import devices as tensorflow_devices
 
 _MOMENTS = "the allreduce of synchronized BatchNormalization moments"
 _MOMENTS_GRADIENTS = "the allreduce of synchronized BatchNormalization gradients"
 
-# MPI has no portable 16-bit float; such gradients travel as float32.
-_WIRE_DTYPES = (jnp.float32, jnp.float64)
 
-
-class JaxStep:
+class JaxStep(Step):
     """Builds the pure train, test and predict steps that Keras' JAX trainer jits."""
+
+    backend_name = "JAX"
+    keras_builds_from_an_extra_pass = True
+    keras_steps_take_arrays = True
+
+    @classmethod
+    def check_platform(cls):
+        refusal = platform_refusal(jax.default_backend())
+        if refusal:
+            raise NotImplementedError(refusal)
+
+    @classmethod
+    def collective_leaf(cls, name, leaf):
+        if isinstance(leaf, keras.Variable):
+            # Its value, as for a JAX array; inside jitted code a variable's value is traced, and refused.
+            leaf = leaf.value
+        if type(leaf).__module__.startswith("jax"):
+            if isinstance(leaf, jax.core.Tracer):
+                raise NotImplementedError(
+                    f"tnt.{name} cannot run inside jitted code (a custom step, a jax.jit function) on Keras' JAX "
+                    "backend yet. Call it outside jit, on NumPy or JAX arrays (e.g. in a callback or between fit "
+                    "calls), or use the TensorFlow backend, where it runs inside tf.function.")
+            leaf = np.asarray(leaf)
+        return leaf
+
+    @classmethod
+    def configure_devices(cls, share, threads):
+        tensorflow_devices.configure(share, threads, computes_steps=False)  # the input pipeline's
+        jax_devices.configure(share)
+
+    @classmethod
+    def replayed_train_function(cls, model, train_function, replayer):
+        # A pure function of the state and the iterator.
+        def train_or_replay(state, iterator):
+            if replayer.over():
+                model.train_function = train_function
+                return train_function(state, iterator)
+            for _ in range(model.steps_per_execution):
+                next(iterator)
+            return replayer.replayed(model.steps_per_execution), state
+        return train_or_replay
 
     def __init__(self, communicator, reducer, model, threshold_bytes):
         self._comm = communicator
@@ -85,8 +126,6 @@ class JaxStep:
         self._threshold_bytes = threshold_bytes
         # On the CPU the gradient sum reads and writes XLA's own buffers; a GPU's must be copied.
         self._gradients_in_host_memory = jax.default_backend() == "cpu"
-        # Callbacks asking for rank-local logs (aggregate_logs=False) are refused on JAX.
-        self.local_metric_state = None
 
     def expect_global_batch_size(self, size):
         """Not needed here: every step opens with the sum of the ranks' sample counts."""
@@ -200,7 +239,7 @@ class JaxStep:
                                  jax.ShapeDtypeStruct((1,), jnp.float32), local, ordered=True)
             return summed[0]
 
-        return loss_reductions.global_loss_terms(compile_loss, inverse_share, sum_over_ranks)
+        return loss_terms.global_loss_terms(compile_loss, inverse_share, sum_over_ranks)
 
     @contextlib.contextmanager
     def _global_moments(self, sequence, contributes):
@@ -282,9 +321,10 @@ class JaxStep:
         collectives of the step take as an input, so that they run after this one; a rank that
         does not contribute sends zeros (its zero row's gradients may hold NaN)."""
         backprop_order = list(reversed(range(len(grads))))
-        wire = [g if g.dtype in _WIRE_DTYPES else g.astype(jnp.float32) for g in grads]
-        plan = gradients.plan_buckets([wire[i].size * wire[i].dtype.itemsize for i in backprop_order],
-                                      [wire[i].dtype for i in backprop_order], self._threshold_bytes)
+        wire = [g if fusion.wire_dtype(g.dtype.name) == g.dtype.name else g.astype(fusion.wire_dtype(g.dtype.name))
+                for g in grads]
+        plan = fusion.plan_buckets([wire[i].size * wire[i].dtype.itemsize for i in backprop_order],
+                                   [wire[i].dtype for i in backprop_order], self._threshold_bytes)
         members = [[backprop_order[k] for k in bucket] for bucket in plan]
         if not members:
             return grads, None
@@ -378,3 +418,12 @@ def _at_least_one_row(data):
     one_zero_row = lambda leaf: (jnp.zeros((1,) + tuple(leaf.shape[1:]), leaf.dtype)
                                  if getattr(leaf, "ndim", 0) else leaf)
     return jax.tree.map(one_zero_row, data), 0
+
+
+def platform_refusal(platform):
+    """The refusal for a JAX `platform` the JAX step cannot run on, or None for the CPU and GPUs
+    (whose gradients the step copies to the host for MPI)."""
+    if platform in ("cpu", "gpu"):
+        return None
+    return (f"tnt.Model on Keras' JAX backend runs on CPUs and GPUs only yet, and this rank's JAX runs on "
+            f"{platform!r}. Set JAX_PLATFORMS=cpu (or cuda) for the job, or use KERAS_BACKEND=tensorflow.")

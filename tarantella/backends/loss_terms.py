@@ -4,7 +4,7 @@ Weighting a rank's loss by its share m/B gives the serial loss when the loss is 
 the micro-batch's entries. A mask (an output mask such as `mask_zero=True`'s, or
 `ignore_class`), `reduction="sum"`, or `reduction="mean_with_sample_weight"` with weights
 divides by something else. `global_loss_terms` makes such a loss global, as the TensorFlow
-step does (distributed_step._GlobalLossTerm): the rank's divisor is summed over ranks and the
+step does (backends/tensorflow/step.py's _GlobalLossTerm): the rank's divisor is summed over ranks and the
 value rescaled. The JAX step sums it in an ordered callback inside the jitted step, the torch
 step in a collective of its own while the loss is computed.
 """

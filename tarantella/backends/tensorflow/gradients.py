@@ -1,9 +1,6 @@
-"""Gradient fusion: a static bucket plan and the TensorFlow ops that reduce it.
-
-Like PyTorch DDP's reducer: gradients are grouped, in the order backprop produces
-them (last layer first), into buckets of at least the fusion threshold. Each bucket
-is handed to the collectives worker as soon as its gradients exist, so its allreduce
-overlaps with the rest of backprop; the worker reduces buckets strictly in plan order.
+"""The TensorFlow ops that reduce a step's gradients in the buckets of the fusion plan
+(`backends.fusion`): each bucket is handed to the reducer as soon as backprop has computed it,
+and the reducer's worker sums the buckets strictly in plan order.
 
 Sparse gradients (`tf.IndexedSlices`, e.g. from an Embedding) are not summed but
 gathered: every rank gets the slices of all ranks, so the optimizer sees each looked-up
@@ -18,36 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from tarantella import timeline
-
-# MPI has no portable 16-bit float; such gradients travel as float32.
-_WIRE_DTYPES = {tf.float32, tf.float64}
-
-
-def plan_buckets(sizes_in_bytes, dtypes, threshold_bytes):
-    """Groups tensors into buckets of at least `threshold_bytes`, in the order they fill up.
-
-    A tensor that alone reaches the threshold travels alone: fusing it would only add a
-    copy. Smaller tensors are fused, one dtype per bucket, until they reach the threshold;
-    the last bucket may stay smaller. Returns lists of positions into the inputs. A
-    threshold of 0 gives one bucket per tensor.
-    """
-    buckets, pending, pending_bytes = [], [], 0
-    for position, (size, dtype) in enumerate(zip(sizes_in_bytes, dtypes)):
-        if size >= threshold_bytes:
-            buckets.append([position])
-            continue
-        if pending and dtype != dtypes[pending[-1]]:
-            buckets.append(pending)
-            pending, pending_bytes = [], 0
-        pending.append(position)
-        pending_bytes += size
-        if pending_bytes >= threshold_bytes:
-            buckets.append(pending)
-            pending, pending_bytes = [], 0
-    if pending:
-        buckets.append(pending)
-    return buckets
-
+from tarantella.backends import fusion
 
 class GradientAllreduce:
     """Sums gradients over all ranks inside a traced training step."""
@@ -65,7 +33,7 @@ class GradientAllreduce:
         `opening` (optional, with `step_sequence`): (samples, divisor, arrived), the rank's sample
         count (an integer scalar tensor), the float64 guess of the global batch size B that its
         loss was divided by, and for the timeline the tf.timestamp() of the batch's arrival (or 0).
-        The round then opens the step (Communicator.submit_bucket) and returns (gradients, B as a
+        The round then opens the step (Reducer.submit) and returns (gradients, B as a
         float64 scalar tensor).
 
         `contributes` (a boolean scalar tensor, optional): where False, this rank adds zeros
@@ -86,7 +54,7 @@ class GradientAllreduce:
         dense = {i: self._to_wire(tf.reshape(gradients[i], variables[i].shape))
                  for i in backprop_order if i not in sparse}
         dense_order = [i for i in backprop_order if i not in sparse]
-        plan = plan_buckets([_nbytes(variables[i].shape, dense[i].dtype) for i in dense_order],
+        plan = fusion.plan_buckets([_nbytes(variables[i].shape, dense[i].dtype) for i in dense_order],
                             [dense[i].dtype for i in dense_order], self._threshold_bytes)
         # Sparse gradients go last: backprop reaches embeddings (the first layers) last.
         items = [[dense_order[k] for k in bucket] for bucket in plan] + [[i] for i in backprop_order
@@ -161,7 +129,7 @@ class GradientAllreduce:
 
     @staticmethod
     def _to_wire(gradient):
-        return gradient if gradient.dtype in _WIRE_DTYPES else tf.cast(gradient, tf.float32)
+        return tf.cast(gradient, fusion.wire_dtype(gradient.dtype.name))
 
     def _submit(self, index, count, agreed, opens, contributes, samples, divisor, arrived, *arrays):
         if not contributes:

@@ -9,7 +9,7 @@ things global:
 2. gradients: `optimizer.scale_loss` multiplies the loss by the rank's share m/B, so
    backprop yields share-weighted gradients. A hook on every trainable parameter
    (`register_post_accumulate_grad_hook`) copies each gradient into its bucket of the static
-   plan (gradients.plan_buckets, last layer first) as soon as backprop has it, and hands a
+   plan (fusion.plan_buckets, last layer first) as soon as backprop has it, and hands a
    full bucket to the communicator at once, so the allreduce overlaps the rest of backprop.
    `optimizer.apply` waits for every bucket and applies the sums;
 3. metrics: every metric variable starts the step at zero; the increments of all ranks are
@@ -26,7 +26,7 @@ things global:
 
 A compiled loss that Keras does not divide by the micro-batch's number of entries (a mask from
 `mask_zero` or `ignore_class`, `reduction="mean_with_sample_weight"` with weights) is made
-global as on TensorFlow (loss_reductions.global_loss_terms): the rank's divisor is summed over
+global as on TensorFlow (loss_terms.global_loss_terms): the rank's divisor is summed over
 ranks and the value rescaled so that the share-weighted sum is the serial loss;
 `reduction="sum"` is multiplied by the inverse share B/m. Whether Keras divides by a mask is
 known only once the forward pass has run, after the step's opening, so that allreduce opens
@@ -46,25 +46,53 @@ import torch
 # tests/test_keras_internals.py checks that the layer still calls it.
 from keras.src.backend.torch import nn as keras_torch_nn
 
-from tarantella import gradients, loss_reductions
+from tarantella.backends import fusion, loss_terms
+from tarantella.backends.base import Step
+from tarantella.backends.tensorflow import devices as tensorflow_devices
+from tarantella.backends.torch import devices as torch_devices
 
-# MPI has no portable 16-bit float; such gradients travel as float32.
-_WIRE_DTYPES = (np.float32, np.float64)
 _METRICS = "the allreduce of losses and metrics"
 _MOMENTS = "the allreduce of synchronized BatchNormalization moments"
 _MOMENTS_GRADIENTS = "the allreduce of synchronized BatchNormalization gradients"
 
 
-class TorchStep:
+class TorchStep(Step):
     """Runs the wrapped model's built-in torch steps so that every rank gets the serial step's results."""
+
+    backend_name = "PyTorch"
+    keras_builds_from_an_extra_pass = True
+    keras_steps_take_arrays = True
+
+    @classmethod
+    def collective_leaf(cls, name, leaf):
+        if isinstance(leaf, keras.Variable):
+            leaf = leaf.value.detach().cpu().numpy()  # its value as NumPy (and NumPy comes back)
+        if not isinstance(leaf, (np.ndarray, np.generic, int, float, complex, bool, type(None))):
+            raise NotImplementedError(
+                f"tnt.{name} does not take {type(leaf).__name__} values on Keras' PyTorch backend yet. Pass "
+                "NumPy arrays or numbers (e.g. tensor.detach().cpu().numpy()), or use the TensorFlow backend.")
+        return leaf
+
+    @classmethod
+    def configure_devices(cls, share, threads):
+        tensorflow_devices.configure(share, threads, computes_steps=False)  # the input pipeline's
+        torch_devices.configure(share, threads)
+
+    @classmethod
+    def replayed_train_function(cls, model, train_function, replayer):
+        # Keras-on-torch draws the step's batches before it calls the train function.
+        def train_or_replay(batches):
+            if replayer.over():
+                model.train_function = train_function
+                return train_function(batches)
+            return replayer.replayed(model.steps_per_execution)
+        return train_or_replay
 
     def __init__(self, communicator, reducer, model, threshold_bytes):
         self._comm = communicator
         self._reducer = reducer
         self._model = model
         self._threshold_bytes = threshold_bytes
-        # Callbacks asking for rank-local logs (aggregate_logs=False) are refused on torch.
-        self.local_metric_state = None
         self._plan = None
         self._round = None  # the gradient round of the step that runs backprop now
 
@@ -136,7 +164,7 @@ class TorchStep:
             return float(self._comm.allreduce_sum(vector, "the allreduce of a loss's divisor")[0])
 
         inverse_share = global_samples / samples if samples else 0.0
-        return loss_reductions.global_loss_terms(compile_loss, inverse_share, sum_over_ranks)
+        return loss_terms.global_loss_terms(compile_loss, inverse_share, sum_over_ranks)
 
     def predict(self, data):
         """Every rank's predictions of the global batch, in sample order."""
@@ -265,7 +293,7 @@ class _BucketPlan:
         self.variables = variables
         backprop_order = list(reversed(range(len(variables))))
         wire = [_wire_dtype(v) for v in variables]
-        plan = gradients.plan_buckets([int(np.prod(variables[i].shape)) * wire[i].itemsize for i in backprop_order],
+        plan = fusion.plan_buckets([int(np.prod(variables[i].shape)) * wire[i].itemsize for i in backprop_order],
                                       [wire[i] for i in backprop_order], threshold_bytes)
         self.buckets = []  # (dtype, size, [(variable index, offset, size)])
         self.place = {}  # variable index -> (bucket, offset, size)
@@ -399,7 +427,7 @@ def _applying_summed_gradients(optimizer, gradient_round):
 
 def _wire_dtype(variable):
     dtype = np.dtype(keras.backend.standardize_dtype(variable.dtype))
-    return dtype if dtype in _WIRE_DTYPES else np.dtype(np.float32)
+    return np.dtype(fusion.wire_dtype(dtype.name))
 
 
 def _metrics_description(metric_variables):
