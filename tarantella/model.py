@@ -1,6 +1,6 @@
 """tnt.Model: a keras.Model that trains data-parallel across all ranks.
 
-A thin wrapper: it turns the user's input into each rank's micro-batches (data.py), runs
+A thin wrapper: it turns the user's input into each rank's micro-batches (tarantella/data/), runs
 the wrapped model's own steps through the global step of Keras' backend (a `backends.base.Step`:
 `TensorFlowStep`, `JaxStep` or `TorchStep`, which make the gradients, losses and metrics those
 of the serial step), gives every rank the master's
@@ -19,9 +19,11 @@ import tensorflow as tf
 # Keras' validation_split, for arrays tarantella shuffles itself; tests/test_keras_internals.py checks it.
 from keras.src.trainers.data_adapters import array_slicing
 
-from tarantella import agreement, backends, backups, data, keras_batches, saving, timeline
+from tarantella import agreement, backends, backups, saving, timeline
 from tarantella import callbacks as callbacks_module
 from tarantella.common import config
+from tarantella.data import global_batches, keras_batches, pipelines
+from tarantella.data.epoch_order import EpochOrder
 from tarantella.runtime import world
 
 logger = logging.getLogger("tarantella")
@@ -240,7 +242,7 @@ class Model(keras.Model):
             keras.callbacks.History: the global logs, equal on every rank.
         """
         self._check_compiled("fit")
-        epoch_order = data.EpochOrder(initial_epoch)
+        epoch_order = EpochOrder(initial_epoch)
         unknown_length = {"train": None, "test": None}
         ranks = self._comm.size if tnt_distribute_dataset else 1
         by_keras = keras_batches.is_batched_by_keras(x, y, sample_weight)
@@ -255,7 +257,7 @@ class Model(keras.Model):
                     (x, y, sample_weight), validation_split=validation_split)
             batch_size = keras_batches.keras_batch_size("fit", x, batch_size, tnt_micro_batch_size, ranks)
             validation_batch_size = validation_batch_size or batch_size
-            x = data.distribute(data.seeded_shuffle_of_arrays(x, y, sample_weight, batch_size, shuffle, class_weight),
+            x = pipelines.distribute(global_batches.seeded_shuffle_of_arrays(x, y, sample_weight, batch_size, shuffle, class_weight),
                                 self._comm.rank, self._comm.size)
             y = sample_weight = None
             keras_arguments = {"shuffle": False}
@@ -269,9 +271,9 @@ class Model(keras.Model):
             if self._distributed and tnt_distribute_dataset:
                 keras_batches.use_masters_random_state(self._comm)
         elif isinstance(x, tf.data.Dataset):
-            data.refuse_separate_arrays("fit", y, sample_weight, batch_size)
+            global_batches.refuse_separate_arrays("fit", y, sample_weight, batch_size)
             users_dataset = x
-            x = data.global_batches("fit", x, tnt_micro_batch_size, ranks)
+            x = global_batches.global_batches("fit", x, tnt_micro_batch_size, ranks)
             if tnt_distribute_dataset and steps_per_epoch is None:
                 unknown_length["train"] = _unknown_length_spec(x)
             x = self._split("fit", x, tnt_distribute_dataset)
@@ -299,10 +301,10 @@ class Model(keras.Model):
         global_batch = self._global_batch_of(x, keras_arguments.get("batch_size"), by_keras, tnt_distribute_dataset)
         if not tnt_distribute_dataset:
             count = (keras_batches.batch_count(x, y, sample_weight, keras_arguments.get("batch_size"), steps_per_epoch)
-                     if by_keras else data.count_batches(x))
+                     if by_keras else global_batches.count_batches(x))
             self._check_same_step_counts(count, steps_per_epoch, "training")
         if validation_data is not None and not validation_by_keras and not tnt_distribute_validation_dataset:
-            self._check_same_step_counts(data.count_batches(validation_data), validation_steps, "validation")
+            self._check_same_step_counts(global_batches.count_batches(validation_data), validation_steps, "validation")
         if self._distributed:
             if not by_keras:  # inputs Keras batches are built from in _symbolic_build, as Keras does
                 self._prepare(x.element_spec, "train")
@@ -360,12 +362,12 @@ class Model(keras.Model):
                 self._check_same_step_counts(keras_batches.batch_count(x, y, sample_weight, batch_size, steps),
                                              steps, "evaluation")
         elif isinstance(x, tf.data.Dataset):
-            data.refuse_separate_arrays("evaluate", y, sample_weight, batch_size)
-            x = data.global_batches("evaluate", x, tnt_micro_batch_size, ranks)
+            global_batches.refuse_separate_arrays("evaluate", y, sample_weight, batch_size)
+            x = global_batches.global_batches("evaluate", x, tnt_micro_batch_size, ranks)
             unknown_length = _unknown_length_spec(x) if tnt_distribute_dataset and steps is None else None
             x = self._split("evaluate", x, tnt_distribute_dataset)
             if not tnt_distribute_dataset:
-                self._check_same_step_counts(data.count_batches(x), steps, "evaluation")
+                self._check_same_step_counts(global_batches.count_batches(x), steps, "evaluation")
             if self._distributed:
                 self._prepare(x.element_spec, "test")
                 self._step.expect_unknown_length("test", unknown_length)
@@ -389,8 +391,8 @@ class Model(keras.Model):
                 self._prepare(keras_batches.first_batch_spec(x, None, None) if unbuilt else None, "predict")
             self._sources.record("predict", True, self._distributed, self)
         elif isinstance(x, tf.data.Dataset):
-            data.refuse_separate_arrays("predict", None, None, batch_size)
-            x = self._split("predict", data.global_batches("predict", x, tnt_micro_batch_size, self._comm.size),
+            global_batches.refuse_separate_arrays("predict", None, None, batch_size)
+            x = self._split("predict", global_batches.global_batches("predict", x, tnt_micro_batch_size, self._comm.size),
                             distribute=True)
             if self._distributed:
                 self._prepare(x.element_spec, "predict")
@@ -501,7 +503,7 @@ class Model(keras.Model):
         spec = tf.nest.map_structure(lambda t: tf.TensorSpec([None] + t.shape[1:], t.dtype), batch)
         self._prepare(spec, step)
         rank, size = self._comm.rank, self._comm.size
-        rows = tf.nest.map_structure(lambda t: data.rows_of_rank(t, rank, size), batch)
+        rows = tf.nest.map_structure(lambda t: pipelines.rows_of_rank(t, rank, size), batch)
         if self._step.keras_steps_take_arrays:
             rows = tf.nest.map_structure(lambda t: t.numpy(), rows)
         return keras.utils.unpack_x_y_sample_weight(rows)
@@ -542,7 +544,7 @@ class Model(keras.Model):
         if not distribute:
             logger.info("%s: automatic data distribution is off; each rank uses the dataset it passed.", method)
             return dataset
-        return data.distribute(dataset, self._comm.rank, self._comm.size)
+        return pipelines.distribute(dataset, self._comm.rank, self._comm.size)
 
     def _validation_input(self, validation_data, batch_size, micro_batch_size, distribute):
         """fit's validation data as Keras takes it, whether Keras batches it, and the spec of its
@@ -554,16 +556,16 @@ class Model(keras.Model):
         method = "fit (validation_data)"
         if not isinstance(val_x, tf.data.Dataset):
             keras_batches.refuse_unknown_input(method, val_x)
-        data.refuse_separate_arrays(method, val_y, val_weight, batch_size)
+        global_batches.refuse_separate_arrays(method, val_y, val_weight, batch_size)
         ranks = self._comm.size if distribute else 1
-        dataset = data.global_batches(method, val_x, micro_batch_size, ranks)
+        dataset = global_batches.global_batches(method, val_x, micro_batch_size, ranks)
         return self._split(method, dataset, distribute), False, _unknown_length_spec(dataset) if distribute else None
 
     def _global_batch_of(self, x, batch_size, by_keras, distributed_by_us):
         """The global batch size of fit's steps, or None where it is not known in advance. A dataset
         tarantella split still shows the global batch; a shard the user made holds the micro-batch."""
         if not by_keras:
-            batch = data.global_batch_size(x)
+            batch = pipelines.global_batch_size(x)
         elif isinstance(x, keras.utils.PyDataset) or keras_batches.is_torch_data_loader(x):
             batch = None
         else:
@@ -717,7 +719,7 @@ class _BatchSources:
         if not self.keeps_rows[kind]:
             return step_arguments
         *state, batch = step_arguments
-        rows = tf.nest.map_structure(lambda leaf: data.rows_of_rank(leaf, comm.rank, comm.size), batch)
+        rows = tf.nest.map_structure(lambda leaf: pipelines.rows_of_rank(leaf, comm.rank, comm.size), batch)
         return (*state, rows)
 
 

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 from tarantella import data
+from tarantella.data import file_records, notes, pipelines, rebuild
 
 N = 103
 FILES = None  # a folder with one PNG per sample and TFRecord files, made once per module
@@ -167,7 +168,7 @@ def test_micro_batches_make_up_the_global_batch(pipeline, ranks):
         rows = len(leaves[0])
         sizes = [len(tf.nest.flatten(shard[step])[0]) for shard in shards]
         assert sum(sizes) == rows and max(sizes) - min(sizes) <= 1
-        assert sizes == [data.micro_batch_size(rows, rank, ranks) for rank in range(ranks)]
+        assert sizes == [pipelines.micro_batch_size(rows, rank, ranks) for rank in range(ranks)]
         for position, leaf in enumerate(leaves):
             rebuilt = np.empty_like(leaf)
             for rank, shard in enumerate(shards):
@@ -204,7 +205,7 @@ def test_a_map_before_batch_runs_only_for_the_ranks_own_samples(tmp_path):
         shard = batches(data.distribute(pipeline(), rank, ranks))
         processed = len(calls.read_text().splitlines())
         assert processed == sum(len(b[0]) for b in shard) == sum(
-            data.micro_batch_size(len(b), rank, ranks) for b in np.array_split(np.arange(N), range(16, N, 16)))
+            pipelines.micro_batch_size(len(b), rank, ranks) for b in np.array_split(np.arange(N), range(16, N, 16)))
 
 
 def counted(function):
@@ -232,7 +233,7 @@ COUNTED_MAPS = {
 @pytest.mark.parametrize("kind", sorted(COUNTED_MAPS))
 def test_each_rank_maps_and_batches_only_its_own_samples(kind):
     ranks, batch = 4, 14
-    owned = [sum(data.micro_batch_size(len(b), rank, ranks) for b in np.array_split(np.arange(N), range(batch, N, batch)))
+    owned = [sum(pipelines.micro_batch_size(len(b), rank, ranks) for b in np.array_split(np.arange(N), range(batch, N, batch)))
              for rank in range(ranks)]
     for rank in range(ranks):
         CALLS.clear()
@@ -241,9 +242,9 @@ def test_each_rank_maps_and_batches_only_its_own_samples(kind):
         shard = batches(distributed)
         assert len(CALLS) == owned[rank] == sum(len(b[1]) for b in shard), f"rank {rank}"
         # the rank batches its own rows and one marker row, never the global batch
-        batch_sizes = [int(node._batch_size) for node in data._nodes_below(distributed)
-                       if type(node).__name__ in data._BATCHES]
-        assert batch_sizes == [data.micro_batch_size(batch, rank, ranks) + (rank != 0)]
+        batch_sizes = [int(node._batch_size) for node in rebuild.nodes_below(distributed)
+                       if type(node).__name__ in rebuild.BATCHES]
+        assert batch_sizes == [pipelines.micro_batch_size(batch, rank, ranks) + (rank != 0)]
 
 
 def test_files_are_read_only_by_the_rank_that_trains_on_them():
@@ -269,13 +270,13 @@ def test_files_are_read_only_by_the_rank_that_trains_on_them():
 
 def test_a_rank_reads_only_its_own_records_of_a_tfrecord_dataset(monkeypatch):
     ranks, read = 2, []
-    original = data._read_bytes
+    original = file_records._read_bytes
 
     def read_and_note(path, offset, length):
         read.append((tf.compat.as_str(path), int(offset)))
         return original(path, offset, length)
 
-    monkeypatch.setattr(data, "_read_bytes", read_and_note)
+    monkeypatch.setattr(file_records, "_read_bytes", read_and_note)
     per_rank = []
     for rank in range(ranks):
         read.clear()
@@ -286,7 +287,7 @@ def test_a_rank_reads_only_its_own_records_of_a_tfrecord_dataset(monkeypatch):
 
 
 def test_info_lines_name_what_every_rank_does_in_full(caplog):
-    data._said.clear()
+    notes._said.clear()
     with caplog.at_level("INFO", logger="tarantella"):
         data.distribute(PIPELINES["map-then-filter"](), 0, 2)
         data.distribute(tensor_slices().map(COUNTED_MAPS["random"]).batch(8), 0, 2)
@@ -305,8 +306,8 @@ def test_info_lines_name_what_every_rank_does_in_full(caplog):
 
 def test_a_parallel_interleave_with_deterministic_false_is_rebuilt_deterministic():
     distributed = data.distribute(PIPELINES["interleaved-records"](), 1, 2)
-    interleaves = [node for node in data._nodes_below(distributed) if type(node).__name__ in data._INTERLEAVES]
-    assert interleaves and not any(data._may_reorder(node) for node in interleaves)
+    interleaves = [node for node in rebuild.nodes_below(distributed) if type(node).__name__ in rebuild.INTERLEAVES]
+    assert interleaves and not any(rebuild.may_reorder(node) for node in interleaves)
 
 
 def test_a_parallel_interleave_with_deterministic_false_that_cannot_be_rebuilt_is_refused():
@@ -337,7 +338,7 @@ def test_tensorflow_still_has_the_private_attributes_tarantella_reads():
             ["_input_dataset", "_map_func", "_cycle_length", "_block_length", "_num_parallel_calls"],
     }
     for dataset, attributes in expected.items():
-        assert type(dataset).__name__ in data._REAPPLY, type(dataset).__name__
+        assert type(dataset).__name__ in rebuild.REAPPLY, type(dataset).__name__
         for attribute in attributes:
             assert hasattr(dataset, attribute), f"{type(dataset).__name__}.{attribute}"
     records = tf.data.TFRecordDataset(record_files())
@@ -346,19 +347,19 @@ def test_tensorflow_still_has_the_private_attributes_tarantella_reads():
     parallel_reads = tf.data.TextLineDataset(record_files(), num_parallel_reads=2)
     assert type(parallel_reads).__name__ == "TextLineDatasetV2" and parallel_reads._compression_type is None
     assert int(parallel_reads._impl._cycle_length) == 2 and type(parallel_reads._filenames).__name__ == "_TensorSliceDataset"
-    # interleave functions are recognised as readers by their traced ops (data._reader_in)
+    # interleave functions are recognised as readers by their traced ops (file_records._reader_in)
     files = tf.data.Dataset.from_tensor_slices(record_files())
-    assert data._reader_in(files.interleave(tf.data.TFRecordDataset)) == ("TFRecord", "")
-    assert data._reader_in(files.interleave(lambda f: tf.data.TextLineDataset(f, "GZIP", 1024))) == ("TextLine", "GZIP")
-    assert data._reader_in(files.interleave(lambda f: tf.data.TFRecordDataset(f).take(3))) == (None, None)
-    assert data._reader_in(files.interleave(lambda f: tf.data.TFRecordDataset(f + ".gz"))) == (None, None)
+    assert file_records._reader_in(files.interleave(tf.data.TFRecordDataset)) == ("TFRecord", "")
+    assert file_records._reader_in(files.interleave(lambda f: tf.data.TextLineDataset(f, "GZIP", 1024))) == ("TextLine", "GZIP")
+    assert file_records._reader_in(files.interleave(lambda f: tf.data.TFRecordDataset(f).take(3))) == (None, None)
+    assert file_records._reader_in(files.interleave(lambda f: tf.data.TFRecordDataset(f + ".gz"))) == (None, None)
     map_func = source.map(lambda x, y: (x, y))._map_func
     assert hasattr(map_func, "_input_structure") and hasattr(map_func, "output_structure")
-    assert data._may_reorder(PIPELINES["interleaved-records"]()._input_dataset._input_dataset)
-    assert not data._may_reorder(tf.data.Dataset.range(3).interleave(
+    assert rebuild.may_reorder(PIPELINES["interleaved-records"]()._input_dataset._input_dataset)
+    assert not rebuild.may_reorder(tf.data.Dataset.range(3).interleave(
         tf.data.Dataset.from_tensors, cycle_length=2, num_parallel_calls=2))
-    assert data._draws_random_numbers(source.map(COUNTED_MAPS["keras-random-layer"])._map_func)
-    assert not data._draws_random_numbers(source.map(COUNTED_MAPS["stateless-random"])._map_func)
+    assert rebuild.draws_random_numbers(source.map(COUNTED_MAPS["keras-random-layer"])._map_func)
+    assert not rebuild.draws_random_numbers(source.map(COUNTED_MAPS["stateless-random"])._map_func)
 
 
 def test_unbatched_dataset_is_refused_with_the_fix():
@@ -380,5 +381,5 @@ def test_unseeded_shuffle_that_cannot_be_rebuilt_is_refused():
 
 def test_a_ranks_dataset_tells_the_global_batch_size_it_was_split_from():
     # model.py reads it from the rank's dataset (the BatchNormalization warning)
-    assert data.global_batch_size(data.distribute(tensor_slices().map(lambda x, y: (x, y)).batch(16), 1, 2)) == 16
-    assert data.global_batch_size(data.distribute(PIPELINES["padded-batch"](), 1, 3)) == 8
+    assert pipelines.global_batch_size(data.distribute(tensor_slices().map(lambda x, y: (x, y)).batch(16), 1, 2)) == 16
+    assert pipelines.global_batch_size(data.distribute(PIPELINES["padded-batch"](), 1, 3)) == 8

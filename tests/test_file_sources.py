@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 from tarantella import data
+from tarantella.data import file_records, notes, pipelines
 
 from workers import record_files
 from workers.record_files import N, READ_WHOLE, parse_record
@@ -49,13 +50,13 @@ def batches(dataset, epochs):
 def test_ranks_together_yield_the_serial_batches_and_read_only_their_records(pipeline, ranks, monkeypatch):
     epochs = 2 if pipeline == "list-files-parallel-interleave" else 1  # files are reshuffled each epoch
     reference = batches(PIPELINES[pipeline](), epochs)
-    read, original = [], data._read_bytes
+    read, original = [], file_records._read_bytes
 
     def read_and_note(path, offset, length):
         read.append((path, int(offset), int(length)))
         return original(path, offset, length)
 
-    monkeypatch.setattr(data, "_read_bytes", read_and_note)
+    monkeypatch.setattr(file_records, "_read_bytes", read_and_note)
     shards, reads = [], []
     for rank in range(ranks):
         read.clear()
@@ -65,7 +66,7 @@ def test_ranks_together_yield_the_serial_batches_and_read_only_their_records(pip
         assert len(shard) == len(reference), "every rank must run the same number of steps"
     for step, global_batch in enumerate(reference):
         rows = len(global_batch[1])
-        assert [len(shard[step][1]) for shard in shards] == [data.micro_batch_size(rows, r, ranks) for r in range(ranks)]
+        assert [len(shard[step][1]) for shard in shards] == [pipelines.micro_batch_size(rows, r, ranks) for r in range(ranks)]
         for position, leaf in enumerate(global_batch):
             rebuilt = np.empty_like(leaf)
             for rank, shard in enumerate(shards):
@@ -102,7 +103,7 @@ def interleave_of(reader, **options):
 
 
 def test_info_lines_say_why_every_rank_reads_every_record(caplog):
-    data._said.clear()
+    notes._said.clear()
     with caplog.at_level("INFO", logger="tarantella"):
         data.distribute(PIPELINES["gzip-records"](), 0, 2)
         data.distribute(interleave_of(lambda name: tf.data.TFRecordDataset(name, "ZLIB"), cycle_length=2), 0, 2)

@@ -182,7 +182,7 @@ def test_synchronized_batch_normalization_calls_the_backend_moments_tarantella_r
     assert process.returncode == 0 and "checked" in process.stdout, process.stdout[-2000:] + process.stderr[-3000:]
 
 
-# tarantella/keras_batches.py hands arrays, PyDatasets and DataLoaders to Keras' own adapters and
+# tarantella/data/keras_batches.py hands arrays, PyDatasets and DataLoaders to Keras' own adapters and
 # relies on how Keras' trainers drive them; each backend runs in its own process.
 _KERAS_BATCHES_ON_BACKEND = """
 import random

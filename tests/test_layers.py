@@ -13,7 +13,7 @@ LAYERS = [
     ("common", ["tarantella.common"]),
     ("runtime", ["tarantella.runtime"]),
     ("collectives, backends and data", [
-        "tarantella.collectives", "tarantella.agreement", "tarantella.backends", "tarantella.keras_batches",
+        "tarantella.collectives", "tarantella.agreement", "tarantella.backends",
         "tarantella.data", "tarantella.optimizers"]),
     ("model", ["tarantella.model", "tarantella.models", "tarantella.callbacks", "tarantella.saving",
                "tarantella.rank"]),
