@@ -1,0 +1,341 @@
+"""tnt.Model: a keras.Model that trains data-parallel across all ranks.
+
+A thin wrapper: it turns the user's input into each rank's micro-batches (tarantella/data/), runs
+the wrapped model's own steps through the global step of Keras' backend (a `backends.base.Step`:
+`TensorFlowStep`, `JaxStep` or `TorchStep`, which make the gradients, losses and metrics those
+of the serial step), gives every rank the master's
+weights before the first step, and saves through saving.py. Everything else a Keras user
+reads answers as the wrapped model does. With one rank, every method is plain Keras.
+"""
+
+import contextlib
+import copy
+import enum
+import logging
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tarantella import backends, saving, timeline
+from tarantella import callbacks as callbacks_module
+from tarantella.common import config
+from tarantella.model import checks
+from tarantella.model.inputs import BatchSources, Inputs
+from tarantella.model.loops import Loops
+from tarantella.runtime import world
+
+logger = logging.getLogger("tarantella")
+
+
+# Public names that answer as the wrapped model's, although keras.Model defines them on the
+# wrapper too. Names tarantella changes (fit, save, ...) or that Keras' loop writes on the
+# model it runs (stop_training, history, ...) are the wrapper's own.
+_READ_FROM_WRAPPED = frozenset({
+    "metrics", "metrics_names", "losses", "loss", "compiled_loss", "compiled_metrics", "input_spec",
+    "compute_output_shape", "compute_output_spec", "compute_mask", "count_params", "get_build_config",
+    "layers", "input", "output", "inputs", "outputs", "input_shape", "output_shape", "get_layer",
+    "to_json", "get_compile_config", "optimizer", "compute_loss", "compute_metrics",
+    "get_metrics_result", "quantize", "dtype_policy", "dtype", "compute_dtype", "variable_dtype",
+    "input_dtype", "supports_masking", "trainable_weights", "non_trainable_weights", "trainable_variables",
+    "non_trainable_variables", "weights", "variables", "get_weights", "call_signature_parameters",
+    "get_quantization_layer_structure", "quantized_build", "quantized_call", "rematerialized_call",
+    "stateless_compute_loss", "load_own_variables", "save_own_variables",
+})
+
+
+class ParallelStrategy(enum.Enum):
+    """How `tnt.Model` parallelizes training; data parallelism is the only strategy."""
+    DATA = "data"
+
+
+class Model(Loops, Inputs, keras.Model):
+    """Wraps a Keras model so that fit/evaluate/predict split every global batch across ranks.
+
+    The wrapped model may override train_step, test_step, predict_step, compute_loss or
+    compute_metrics, use several optimizers, and have its own compile signature. A tnt.Model
+    answers as the model it wraps (layers, weights, its own attributes and methods).
+
+    Args:
+        model: the `keras.Model` to train (Functional, Sequential or subclassed); it is wrapped,
+            not copied.
+        parallel_strategy: `tnt.ParallelStrategy.DATA`, the only strategy.
+        synchronized_batch_normalization: True switches every BatchNormalization layer of the
+            model to Keras' `synchronized=True` when there are 2 or more ranks: each normalizes
+            with the statistics of the whole global batch, so training equals serial training
+            on any number of ranks. (On one rank the layers stay as they are.)
+
+    Raises:
+        TypeError: `model` is not a `keras.Model`, or is a tnt.Model already.
+        NotImplementedError: the model overrides `train_step` or `test_step` on the JAX or
+            PyTorch backend.
+    """
+
+    def __init__(self, model, parallel_strategy=ParallelStrategy.DATA, synchronized_batch_normalization=False):
+        if isinstance(model, Model):
+            raise TypeError("This model is already a tnt.Model; wrap the plain Keras model once.")
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"tnt.Model wraps a keras.Model; got {type(model).__name__}.")
+        if parallel_strategy is not ParallelStrategy.DATA:
+            raise ValueError(f"Unknown parallel_strategy {parallel_strategy!r}; the only strategy is "
+                             "tnt.ParallelStrategy.DATA.")
+        if not isinstance(synchronized_batch_normalization, bool):
+            raise TypeError(f"synchronized_batch_normalization must be True or False; got "
+                            f"{synchronized_batch_normalization!r}.")
+        checks.refuse_what_the_backend_lacks(backends.step_class(), model)
+        super().__init__(name=model.name)
+        self._keras_model = model
+        # torch.nn.Module keeps sub-modules out of __dict__, where the lookups below read the model.
+        self.__dict__["_keras_model"] = model
+        self._comm = world.init()
+        self._distributed = self._comm.size > 1
+        if synchronized_batch_normalization and self._distributed:
+            # On one rank the micro-batch is the global batch: Keras' own moments are the serial ones.
+            for layer in model._flatten_layers():
+                if isinstance(layer, keras.layers.BatchNormalization):
+                    layer.synchronized = True
+        self._weights_synced = False
+        self._warned_batch_normalization = False
+        self._local_epoch_logs = None
+        self._sources = BatchSources()
+        self._epoch_order = None  # fit's, while it runs
+        self._step = backends.for_model(self._comm, world.gradient_reducer(), model)
+        # On TensorFlow a host-side allreduce cannot live inside an XLA cluster; JAX's jitted step
+        # reaches it through callbacks.
+        self._host_allreduce_outside_xla = self._distributed and not self._step.collectives_inside_xla
+        if self._host_allreduce_outside_xla:
+            self._jit_compile = False
+        self.built = model.built
+
+    # -- the wrapped model -------------------------------------------------------
+
+    @property
+    def model(self):
+        """The wrapped Keras model, as in the original Tarantella."""
+        return self._keras_model
+
+    def __getattribute__(self, name):
+        if name in _READ_FROM_WRAPPED:
+            wrapped = object.__getattribute__(self, "__dict__").get("_keras_model")
+            if wrapped is not None:
+                return getattr(wrapped, name)
+        return object.__getattribute__(self, name)
+
+    def __getattr__(self, name):
+        # Reached only when normal lookup fails: public attributes come from the wrapped model
+        # (a GAN's generator, a custom model's own trackers and methods).
+        wrapped = self.__dict__.get("_keras_model")
+        if wrapped is None or name.startswith("_"):
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        return getattr(wrapped, name)
+
+    def build(self, input_shape=None):
+        self.built = True  # the wrapped model builds itself on its first call
+
+    def call(self, *args, **kwargs):
+        return self._keras_model(*args, **kwargs)
+
+    def get_config(self):
+        return self._keras_model.get_config()
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """A new tnt.Model from `get_config()` (of a tnt.Model or a Keras model), or from a
+        serialized model (`keras.saving.serialize_keras_object`); weights are new."""
+        config = copy.deepcopy(config)  # Keras consumes the config while it rebuilds the model
+        if "class_name" in config:
+            keras_model = keras.saving.deserialize_keras_object(config, custom_objects=custom_objects)
+        elif "input_layers" in config:  # a functional model's get_config()
+            keras_model = keras.Model.from_config(config, custom_objects=custom_objects)
+        elif "layers" in config:
+            keras_model = keras.Sequential.from_config(config, custom_objects=custom_objects)
+        else:
+            raise ValueError(
+                "This config describes neither a functional nor a Sequential model, so its class is "
+                "unknown. For a subclassed model, rebuild it with its own from_config and wrap it, or pass "
+                "keras.saving.serialize_keras_object(model), which names the class.")
+        return cls(keras_model)
+
+    def summary(self, *args, **kwargs):
+        """Keras' summary, printed on the master only (on every rank with TNT_OUTPUT_ON_ALL_DEVICES)."""
+        if self._comm.rank == world.MASTER_RANK or config.output_on_all_devices():
+            self._keras_model.summary(*args, **kwargs)
+
+    def set_weights(self, weights):
+        """Sets the weights; the master's values reach every rank before the next step."""
+        self._keras_model.set_weights(weights)
+        self._weights_synced = False  # the master's values go out before the next step
+
+    # -- saving and loading (see saving.py) -------------------------------------------
+
+    def save(self, filepath, overwrite=True, tnt_save_all_devices=False, **kwargs):
+        """Saves the wrapped Keras model, with the optimizer state once compiled; the master writes,
+        and every rank returns once the file is complete. `tnt_save_all_devices=True` makes every
+        rank write, for file systems that the ranks do not share."""
+        saving.write_whole(filepath, lambda partial: self._keras_model.save(partial, **kwargs),
+                           overwrite, tnt_save_all_devices)
+
+    def save_weights(self, filepath, overwrite=True, tnt_save_all_devices=False, max_shard_size=None):
+        """Saves the weights (and the optimizer state once compiled); the master writes, and every
+        rank returns once the file is complete. `tnt_save_all_devices=True` makes every rank write.
+
+        Raises:
+            ValueError: `max_shard_size` is given (sharded files cannot be written whole).
+            FileExistsError: `overwrite=False` and the file exists.
+        """
+        if max_shard_size is not None:
+            raise ValueError("tnt.Model.save_weights writes one file, which appears whole or not at all; "
+                             "sharded saving (max_shard_size=) is not supported. Leave max_shard_size unset.")
+        saving.write_whole(filepath, self._keras_model.save_weights, overwrite, tnt_save_all_devices)
+
+    def load_weights(self, filepath, skip_mismatch=False, **kwargs):
+        """Every rank reads the file (it must be visible to all); once compiled, the optimizer state too."""
+        optimizer = getattr(self._keras_model, "optimizer", None)  # an uncompiled Keras model has none
+        if self.compiled and self.built and optimizer is not None and not optimizer.built:
+            optimizer.build(self.trainable_variables)  # else the saved optimizer state is skipped
+        self._keras_model.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+        self._weights_synced = False
+
+    # -- compile, fit, evaluate, predict -----------------------------------------------
+
+    def compile(self, *args, jit_compile="auto", **kwargs):
+        """Compiles the wrapped model with the user's arguments (its own compile signature, if it
+        has one); the wrapper shares its optimizer. Saved files are then complete Keras files."""
+        if self._host_allreduce_outside_xla and jit_compile not in ("auto", False, None):
+            logger.warning("jit_compile=True is ignored with %d ranks: XLA cannot compile the host-side "
+                           "gradient allreduce, so the step runs without XLA.", self._comm.size)
+        if self._host_allreduce_outside_xla:
+            jit_compile = False  # Keras would pick XLA by itself on a GPU
+        if checks.overrides(self._keras_model, "compile"):
+            self._keras_model.compile(*args, **kwargs)
+        else:
+            self._keras_model.compile(*args, jit_compile=jit_compile, **kwargs)
+        for optimizer in self._step.optimizers():
+            checks.refuse_ftrl(optimizer)
+        keras.Model.compile(self, optimizer=self._keras_model.optimizer, jit_compile=jit_compile,
+                            run_eagerly=getattr(self._keras_model, "run_eagerly", False),
+                            steps_per_execution=getattr(self._keras_model, "steps_per_execution", 1))
+        self._weights_synced = False
+
+    # -- Keras' build hooks: where Keras has made its iterator over inputs it batches itself ---------
+
+    # -- the steps: the wrapped model's own, made global by the backend's Step ---------------
+
+    def make_train_function(self, force=False):
+        return self._made("train", force, super().make_train_function, "training step")
+
+    def make_test_function(self, force=False):
+        return self._made("test", force, super().make_test_function, "test step")
+
+    def make_predict_function(self, force=False):
+        return self._made("predict", force, super().make_predict_function, None)
+
+    def _made(self, kind, force, make, timed_as):
+        """Keras' `kind` of function, wrapped as the backend's step needs and, with a timeline, timed."""
+        attribute = BatchSources.FUNCTIONS[kind]
+        new = getattr(self, attribute) is None or force
+        make(force)
+        if new and self._distributed:
+            setattr(self, attribute, self._step.wrap_function(kind, getattr(self, attribute)))
+        if new and timed_as and timeline.recorder is not None:
+            setattr(self, attribute, timeline.recorder.timed_steps(getattr(self, attribute), timed_as))
+        return getattr(self, attribute)
+
+    # The arguments are the backend trainer's: (data) on TensorFlow and torch, (state, data) on JAX.
+    def train_step(self, *step_arguments):
+        if not self._distributed:
+            return self._keras_model.train_step(*step_arguments)
+        return self._step.train(*self._sources.rows_of_rank("train", step_arguments, self._comm))
+
+    def test_step(self, *step_arguments):
+        if not self._distributed:
+            return self._keras_model.test_step(*step_arguments)
+        return self._step.test(*self._sources.rows_of_rank("test", step_arguments, self._comm))
+
+    def predict_step(self, *step_arguments):
+        if not self._distributed:
+            return self._keras_model.predict_step(*step_arguments)
+        return self._step.predict(*self._sources.rows_of_rank("predict", step_arguments, self._comm))
+
+    # -- one global batch, given whole to every rank ------------------------------------------
+
+    # -- rank-local metric values (for callbacks with aggregate_logs=False) --------------------
+
+    def _local_metrics_result(self):
+        """This rank's own loss and metrics (its micro-batches only), in the form of Keras' logs."""
+        pairs = self._step.local_metric_state or []
+        with keras.StatelessScope(state_mapping=[(v, shadow.read_value()) for v, shadow in pairs]):
+            result = self._keras_model.get_metrics_result()
+        return {name: value.numpy().item() if np.ndim(value) == 0 else value.numpy()
+                for name, value in result.items()}
+
+    def _track_local_metrics(self, wanted):
+        if wanted == (self._step.local_metric_state is not None):
+            return
+        self._step.local_metric_state = tuple(
+            (v, tf.Variable(v.value, trainable=False)) for metric in self.metrics for v in metric.variables
+        ) if wanted else None
+        self.train_function = self.test_function = None  # retraced with or without the local copy
+
+    def reset_metrics(self):
+        super().reset_metrics()
+        self._local_epoch_logs = None  # fit resets at each epoch; validation sets it after its reset
+        for variable, shadow in self._step.local_metric_state or ():
+            shadow.assign(variable.value)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _check_compiled(self, method):
+        if not self.compiled:
+            raise RuntimeError(f"Call model.compile(optimizer, loss, metrics) before model.{method}().")
+
+    def _callbacks_for_this_rank(self, user_callbacks):
+        chosen = callbacks_module.for_this_rank(user_callbacks, self._comm)
+        wants_local = any(isinstance(c, callbacks_module.Callback) and not c.aggregate_logs for c in chosen)
+        if wants_local:
+            self._step.refuse_unless("rank_local_logs",
+                                     "tnt.keras.callbacks.Callback(aggregate_logs=False) (rank-local logs)",
+                                     "Use aggregate_logs=True (global logs), or the TensorFlow backend.")
+        if self._distributed:
+            self._track_local_metrics(wants_local)
+        return chosen
+
+    def _verbosity(self, verbose):
+        on_master = self._comm.rank == world.MASTER_RANK
+        return verbose if on_master or config.output_on_all_devices() else 0
+
+    @contextlib.contextmanager
+    def _keras_output_on_master_only(self):
+        """Keras' own messages (EarlyStopping's, ...) go to absl's log on the other ranks, which
+        hides them by default; the user's prints still appear from every rank."""
+        if self._comm.rank == world.MASTER_RANK or config.output_on_all_devices() or \
+                not keras.config.is_interactive_logging_enabled():
+            yield
+            return
+        keras.config.disable_interactive_logging()
+        try:
+            yield
+        finally:
+            keras.config.enable_interactive_logging()
+
+
+class Sequential(Model):
+    """A tnt.Model around a keras.Sequential: `tnt.Sequential(layers)` is
+    `tnt.Model(keras.Sequential(layers))`; `add` and `pop` are keras.Sequential's."""
+
+    def __init__(self, layers=None, name=None, trainable=True, synchronized_batch_normalization=False):
+        super().__init__(keras.Sequential(layers, trainable=trainable, name=name),
+                         synchronized_batch_normalization=synchronized_batch_normalization)
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """A new tnt.Sequential from the `get_config()` of a Sequential model; weights are new."""
+        if "layers" not in config or "input_layers" in config:
+            raise ValueError("tnt.Sequential.from_config takes the config of a Sequential model; for a "
+                             "functional or serialized model use tnt.Model.from_config.")
+        keras_model = keras.Sequential.from_config(copy.deepcopy(config), custom_objects=custom_objects)
+        wrapper = cls.__new__(cls)  # around the rebuilt model, not a new one from layers
+        Model.__init__(wrapper, keras_model)
+        return wrapper
+
+
