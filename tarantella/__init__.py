@@ -35,6 +35,7 @@ if not _started_as_launcher():
     from tarantella import data, optimizers  # tnt.data.distribute, tnt.optimizers.Optimizer
     from tarantella import models  # tnt.models.load_model, ..., like keras.models
     from tarantella import callbacks as _callbacks
+    from tarantella import backups as _backups  # noqa: F401 (adds the automatic backups to every fit)
 
     keras = SimpleNamespace(callbacks=_callbacks)  # tnt.keras.callbacks.Callback
 

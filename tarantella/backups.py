@@ -24,6 +24,7 @@ import numpy as np
 
 from tarantella import backends
 from tarantella.common import backup_files, config
+from tarantella.model import loops
 from tarantella.runtime import world
 
 logger = logging.getLogger("tarantella")
@@ -189,7 +190,7 @@ class AutomaticBackups(keras.callbacks.Callback):
         if not self._skipped:
             self._backup(max(self._epoch_logs, default=-1) + 1, 0, completed=True)
 
-    def complete_history(self, history):
+    def history_returned(self, history):
         """Puts the epochs that ran before the restart in front of the History Keras returns."""
         earlier = [epoch for epoch in sorted(self._epoch_logs) if epoch not in history.epoch]
         if not earlier:
@@ -213,3 +214,6 @@ def _first_difference(saved, here):
 
 def _scalars(logs):
     return {key: float(value) for key, value in (logs or {}).items() if np.ndim(value) == 0}
+
+
+loops.FIT_CALLBACKS.append(for_fit)

@@ -12,9 +12,8 @@ import os
 import socket
 import uuid
 
-from tarantella import timeline
 from tarantella.common import backup_files
-from tarantella.runtime import world
+from tarantella.runtime import events, world
 
 _master_alone = False  # True while a master-only callback runs: the other ranks are not saving
 
@@ -52,7 +51,7 @@ def write_whole(filepath, write, overwrite=True, save_all_devices=False):
     error = None
     if writes_here:
         try:
-            with timeline.span(f"save {os.path.basename(path)}"):
+            with events.span(f"save {os.path.basename(path)}"):
                 _write_then_rename(path, write)
         except Exception as exc:  # reported to every rank below, then raised here
             error = exc

@@ -173,6 +173,10 @@ class Recorder:
                 self.events.append(("step", kind, started, self.now(), next(calls) == 0))
         return timed
 
+    def fit_ended(self, comm):
+        """At the end of a fit: the events so far reach the file, and the master prints the step report."""
+        self.write(comm, report=True)
+
     @contextlib.contextmanager
     def span(self, name):
         started = self.now()
@@ -232,11 +236,6 @@ def _write_at_exit(comm):
     unless a failed collective left the ranks out of step."""
     if recorder is not None and comm.broken is None:
         recorder.write(comm)
-
-
-def span(name):
-    """A context that records `name` as a span of the main thread; nothing when off."""
-    return contextlib.nullcontext() if recorder is None else recorder.span(name)
 
 
 # -- from events to the trace -----------------------------------------------------------------

@@ -6,10 +6,16 @@ import tensorflow as tf
 # Keras' validation_split, for arrays tarantella shuffles itself; tests/test_keras_internals.py checks it.
 from keras.src.trainers.data_adapters import array_slicing
 
-from tarantella import backups, timeline
 from tarantella.data import global_batches, keras_batches, pipelines
 from tarantella.data.epoch_order import EpochOrder
 from tarantella.model.inputs import unknown_length_spec
+from tarantella.runtime import events
+
+# What the layers above the model add to every fit (the automatic backups register here when
+# tarantella is imported): functions of (the tnt.Model, the user's callbacks) that return a callback
+# to run after the user's, or None. Such a callback is told the History fit returns
+# (`history_returned(history)`).
+FIT_CALLBACKS = []
 
 
 class Loops:
@@ -107,9 +113,9 @@ class Loops:
             self._step.expect_global_batch_size(global_batch)
             for kind, spec in unknown_length.items():
                 self._step.expect_unknown_length(kind, spec)
-        automatic_backups = backups.for_fit(self, callbacks)
+        added = [c for c in (add(self, callbacks) for add in FIT_CALLBACKS) if c is not None]
         # After the user's callbacks: an epoch's backup holds what they changed at its end.
-        callbacks = self._callbacks_for_this_rank(callbacks) + [c for c in (automatic_backups, epoch_order) if c]
+        callbacks = self._callbacks_for_this_rank(callbacks) + added + [epoch_order]
         self._epoch_order = epoch_order
         self._sources.building = "train"
         try:
@@ -123,11 +129,10 @@ class Loops:
         finally:
             self._epoch_order = None
             self._sources.building = None
-        if automatic_backups is not None:
-            automatic_backups.complete_history(history)
+        for callback in added:
+            callback.history_returned(history)
         self._use_masters_statistics()
-        if timeline.recorder is not None:
-            timeline.recorder.write(self._comm, report=True)
+        events.fit_ended(self._comm)
         return history
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,

@@ -17,13 +17,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tarantella import backends, saving, timeline
+from tarantella import backends, saving
 from tarantella import callbacks as callbacks_module
 from tarantella.common import config
 from tarantella.model import checks
 from tarantella.model.inputs import BatchSources, Inputs
 from tarantella.model.loops import Loops
-from tarantella.runtime import world
+from tarantella.runtime import events, world
 
 logger = logging.getLogger("tarantella")
 
@@ -237,8 +237,8 @@ class Model(Loops, Inputs, keras.Model):
         make(force)
         if new and self._distributed:
             setattr(self, attribute, self._step.wrap_function(kind, getattr(self, attribute)))
-        if new and timed_as and timeline.recorder is not None:
-            setattr(self, attribute, timeline.recorder.timed_steps(getattr(self, attribute), timed_as))
+        if new and timed_as:
+            setattr(self, attribute, events.timed_steps(getattr(self, attribute), timed_as))
         return getattr(self, attribute)
 
     # The arguments are the backend trainer's: (data) on TensorFlow and torch, (state, data) on JAX.

@@ -14,8 +14,8 @@ import functools
 import numpy as np
 import tensorflow as tf
 
-from tarantella import timeline
 from tarantella.backends import fusion
+from tarantella.runtime import events
 
 class GradientAllreduce:
     """Sums gradients over all ranks inside a traced training step."""
@@ -140,8 +140,8 @@ class GradientAllreduce:
                 arrays = (arrays[0], np.zeros_like(arrays[1]))
         payload = arrays[0] if len(arrays) == 1 else tuple(arrays)
         opening = None if opens is None else ("; ".join(opens), int(samples), float(divisor))
-        if arrived and timeline.recorder is not None:
-            timeline.recorder.input_arrived(float(arrived))
+        if arrived and events.observer is not None:
+            events.observer.input_arrived(float(arrived))
         self._reducer.submit(index, count, payload, agreed, opening)
         return np.int64(index)
 

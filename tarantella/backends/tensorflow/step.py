@@ -39,11 +39,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tarantella import timeline
 from tarantella.backends.base import Step
 from tarantella.backends.tensorflow import devices
 from tarantella.backends.tensorflow.gradients import GradientAllreduce
 from tarantella.backends.tensorflow.traced_step import StepState
+from tarantella.runtime import events
 
 
 class TensorFlowStep(Step):
@@ -268,7 +268,7 @@ class TensorFlowStep(Step):
             return self._gradient_allreduce(grads, variables, contributes=contributes, step_sequence=self._sequence)
         step = self._step
         with tf.control_dependencies([step.samples]):  # the batch's arrival, for the timeline
-            arrived = tf.timestamp() if timeline.recorder is not None else tf.constant(0.0, tf.float64)
+            arrived = tf.timestamp() if events.observer is not None else tf.constant(0.0, tf.float64)
         reduced, global_samples = self._gradient_allreduce(
             grads, variables, contributes=contributes, step_sequence=self._sequence,
             opening=(step.samples, loss_divisor, arrived))
