@@ -121,9 +121,9 @@ def print_hand_offs(events):
     """From the timeline's events: medians of each way's hand-off, worker and hand-back, in us."""
     parts = {}
     for worker, caller in zip(events, events[1:]):  # the worker records a call just before its caller
-        if worker[0] == "collective" and caller[0] == "blocked" and worker[2] == caller[2]:
-            _, _, what, started, ended = worker
-            parts.setdefault(what, []).append((started - caller[3], ended - started, caller[4] - ended))
+        if worker[0] == "collective" and caller[0] == "blocked" and worker[3] == caller[3]:
+            _, _, _, what, started, ended = worker
+            parts.setdefault(what, []).append((started - caller[4], ended - started, caller[5] - ended))
     print("From the timeline (us, medians): hand-off to the worker / collective on the worker / hand-back")
     for what, calls in parts.items():
         if what in ("worker", "worker, agreed", "in-step") or what.startswith("tnt."):

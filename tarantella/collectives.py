@@ -24,6 +24,7 @@ import tensorflow as tf
 from tarantella import backends
 from tarantella.backends import fusion
 from tarantella.runtime import world
+from tarantella.runtime.kinds import Collective
 
 
 class ReductionOp(str, enum.Enum):
@@ -201,7 +202,8 @@ def _collective(name, values, leaves, operation, output_shape, detail, rows_may_
         # The ranks agree on "a public collective"; the opening's message also compares the calls'
         # layouts, and only where they differ are they gathered: _check_same_layout's error names
         # them and leaves the ranks able to go on.
-        return comm.run(f"tnt.{name}", run, agree_on="a public collective (tnt.allreduce, ...)",
+        return comm.run(f"tnt.{name}", run, kind=Collective.PUBLIC,
+                        agree_on="a public collective (tnt.allreduce, ...)",
                         compare=None if rows_may_differ else repr(layout))
 
     if tf.executing_eagerly():

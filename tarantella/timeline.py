@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from tarantella.runtime import events as runtime_events
+from tarantella.runtime.kinds import Collective
 
 recorder = None  # the Recorder while the timeline is on
 
@@ -40,12 +41,6 @@ _CLOCK_TAG = 7301
 MAIN_ROW, OPS_ROW, WORKER_ROW = 1, 2, 3
 _ROW_NAMES = {MAIN_ROW: "main thread: steps, callbacks, saves",
               OPS_ROW: "step's collective calls (TensorFlow ops)", WORKER_ROW: "collectives worker"}
-# (text in a collective's description, short name, category), first match wins.
-_KINDS = [("micro-batch sizes", "step opening", "opening"), ("losses and metrics", "losses and metrics", "metrics"),
-          ("BatchNormalization moments", "sync BatchNorm moments", "batchnorm"),
-          ("BatchNormalization gradients", "sync BatchNorm gradients", "batchnorm"),
-          ("gradient allreduce", "gradient buckets", "gradients"), ("divisor", "loss divisor", "metrics"),
-          ("tnt.", None, "public"), ("timeline", "timeline gathering", "other")]
 # A straggler is named when this share of the other ranks' waiting was for it (in the steps it
 # was the slowest in), and they wait at least _STRAGGLER_WAIT of their step.
 _STRAGGLER_BLAME = 0.75
@@ -57,7 +52,8 @@ _SMALL_BUCKET_BYTES = 1 << 20
 def start(comm, path):
     """On every rank, once the communicator exists: compares the clocks, then starts recording."""
     global recorder
-    clock = comm.run("the timeline's clock comparison", lambda mpi_comm: _compare_clocks(mpi_comm, comm.size))
+    clock = comm.run("the timeline's clock comparison", lambda mpi_comm: _compare_clocks(mpi_comm, comm.size),
+                     kind=Collective.TIMELINE)
     recorder = Recorder(comm, os.path.abspath(path), *clock)
     runtime_events.subscribe(recorder)
     import atexit
@@ -99,8 +95,9 @@ class Recorder:
     """This rank's events, as tuples whose first item names their kind:
     ("step", kind, start, end, first)               a call of Keras' train or test function (main thread);
                                                     the first call traces the step
-    ("blocked", row, what, start, end)              a caller waiting for a collective
-    ("collective", sequence, what, start, end)      a synchronous collective, on the worker
+    ("blocked", row, kind, what, start, end)        a caller waiting for a collective
+    ("collective", sequence, kind, what, start, end) a synchronous collective, on the worker
+                                                    (kind: the name of its runtime.kinds.Collective)
     ("bucket", sequence, index, bytes, start, end)  one gradient bucket's reduction, on the worker
     ("handover", index, time)                       TensorFlow handing a bucket to the worker
     ("input", time)                                 a training step's batch arrived (steps that
@@ -124,18 +121,18 @@ class Recorder:
 
     # -- hooks (off: never called) ----------------------------------------------------------
 
-    def run_collective(self, what, body):
-        """On the worker: runs one synchronous collective and records it."""
+    def run_collective(self, kind, what, body):
+        """On the worker: runs one synchronous collective of `kind` and records it."""
         sequence, self._sequence = self._sequence, self._sequence + 1
         started = self.now()
         try:
             return body()
         finally:
-            self.events.append(("collective", sequence, what, started, self.now()))
+            self.events.append(("collective", sequence, kind.name, what, started, self.now()))
 
-    def caller_waited(self, what, started):
+    def caller_waited(self, kind, what, started):
         row = MAIN_ROW if threading.get_ident() == self._main_thread else OPS_ROW
-        self.events.append(("blocked", row, what, started, self.now()))
+        self.events.append(("blocked", row, kind.name, what, started, self.now()))
 
     def timed_buckets(self, reduce):
         """`reduce` of one bucket, recording each (called in plan order on the worker)."""
@@ -192,7 +189,8 @@ class Recorder:
         with `report`, prints the step report of these events."""
         events, self.events = self.events, []
         gathered = comm.run("the timeline gathering",
-                            lambda mpi_comm: mpi_comm.gather(events, root=0) if self.size > 1 else [events])
+                            lambda mpi_comm: mpi_comm.gather(events, root=0) if self.size > 1 else [events],
+                            kind=Collective.TIMELINE)
         if self.rank != 0:
             return
         self._trace += chrome_events(gathered, self.offsets, self.origin)
@@ -240,12 +238,10 @@ def _write_at_exit(comm):
 
 # -- from events to the trace -----------------------------------------------------------------
 
-def kind_of(what):
-    """(short name, category) of a collective's description."""
-    for text, name, category in _KINDS:
-        if text in what:
-            return name or what.split(" ")[0], category
-    return what, "other"
+def kind_of(kind, what):
+    """(short name, category) of a collective of `kind` (a Collective's name) described as `what`."""
+    collective = Collective[kind]
+    return collective.named(what), collective.category
 
 
 def _arrivals(by_rank, offsets):
@@ -287,13 +283,13 @@ def chrome_events(by_rank, offsets, origin):
                 add("callbacks and Keras' loop", "callbacks", MAIN_ROW, end, steps[number + 1][2])
         for event in events:
             if event[0] == "blocked":
-                _, row, what, start, end = event
-                name, category = kind_of(what)
+                _, row, kind, what, start, end = event
+                name, category = kind_of(kind, what)
                 add(name, category, row, start, end, what=what)
             elif event[0] in ("collective", "bucket"):
                 if event[0] == "collective":
-                    _, sequence, what, start, end = event
-                    name, category = kind_of(what)
+                    _, sequence, kind, what, start, end = event
+                    name, category = kind_of(kind, what)
                     args = {"what": what}
                 else:
                     _, sequence, index, nbytes, start, end = event
@@ -318,7 +314,7 @@ def _input_arrivals(events):
     """Sorted times at which steps had their batch: recorded arrivals, and the start of each
     step opening's collective (it waits for the batch, and nothing else does before it)."""
     return sorted([e[1] for e in events if e[0] == "input"] +
-                  [e[3] for e in events if e[0] == "blocked" and kind_of(e[2])[1] == "opening"])
+                  [e[4] for e in events if e[0] == "blocked" and e[2] == Collective.STEP_OPENING.name])
 
 
 def _first_within(times, low, high):
@@ -347,7 +343,7 @@ def step_breakdown(by_rank, offsets):
         waits = sorted((e[-2], latest[e[1]][0] + offsets[rank]) for e in events
                        if e[0] in ("collective", "bucket") and latest[e[1]][0] + offsets[rank] > e[-2])
         wait_starts = [start for start, _ in waits]
-        blocked = sorted((e[3], e[4], kind_of(e[2])[1]) for e in events if e[0] == "blocked")
+        blocked = sorted((e[4], e[5], kind_of(e[2], e[3])[1]) for e in events if e[0] == "blocked")
         blocked_starts = [start for start, _, _ in blocked]
         buckets = sorted((e[4], e[3]) for e in events if e[0] == "bucket")
         bucket_starts = [start for start, _ in buckets]

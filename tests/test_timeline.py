@@ -8,6 +8,7 @@ import pytest
 
 from conftest import WORKERS, assert_ok, launch, launcher_command, run_python
 from tarantella import timeline
+from tarantella.runtime.kinds import Collective
 
 RANKS = 3
 
@@ -115,15 +116,15 @@ MS = 1_000_000
 
 def _rank_events(steps, blocked=(), buckets=(), slow_compute=0):
     """Events of one rank: `steps` training steps of 10 ms (+ slow_compute), each opening at 0.5 ms;
-    `blocked`: (category's description, start, end) in every step; `buckets`: bytes per step."""
+    `blocked`: (its Collective, start, end) in every step; `buckets`: bytes per step."""
     events, sequence, length = [("step", "training step", -50 * MS, -40 * MS, True)], 0, 10 + slow_compute
     for k in range(steps):
         start = k * 20 * MS
         events.append(("step", "training step", start, start + length * MS, False))
-        events.append(("blocked", timeline.OPS_ROW, "the allreduce of micro-batch sizes of a training step",
+        events.append(("blocked", timeline.OPS_ROW, "STEP_OPENING", "the allreduce of micro-batch sizes of a training step",
                        start + MS // 2, start + MS // 2 + MS // 10))
-        for what, begin, end in blocked:
-            events.append(("blocked", timeline.OPS_ROW, what, start + begin * MS, start + end * MS))
+        for kind, begin, end in blocked:
+            events.append(("blocked", timeline.OPS_ROW, kind.name, kind.what, start + begin * MS, start + end * MS))
         for index, nbytes in enumerate(buckets):
             events.append(("bucket", sequence, index, nbytes, start + 2 * MS, start + 2 * MS + 1000))
             sequence += 1
@@ -131,14 +132,14 @@ def _rank_events(steps, blocked=(), buckets=(), slow_compute=0):
 
 
 def test_synchronized_batch_normalization_that_is_not_hidden_is_named():
-    moments = [("the allreduce of synchronized BatchNormalization moments of float64[3]", 2, 4)]
+    moments = [(Collective.BATCHNORM_MOMENTS, 2, 4)]
     report = timeline.step_report([_rank_events(8, moments), _rank_events(8, moments)], [0, 0], ["a", "b"])
     assert "fewer synchronized BatchNormalization layers" in report
     assert "Straggler" not in report
 
 
 def test_many_small_buckets_ask_for_a_higher_fusion_threshold():
-    blocked = [("the gradient allreduce", 5, 8)]
+    blocked = [(Collective.GRADIENTS, 5, 8)]
     by_rank = [_rank_events(8, blocked, buckets=[40_000] * 12) for _ in range(2)]
     assert "a higher fusion threshold" in timeline.step_report(by_rank, [0, 0], ["a", "b"], 32 * 1024)
 
@@ -149,9 +150,10 @@ def test_a_rank_that_computes_longer_is_named_as_a_slow_host():
     for rank, arrival in ((0, 3), (1, 9)):
         for k in range(8):
             start = k * 20 * MS
-            by_rank[rank].append(("blocked", timeline.OPS_ROW, "the allreduce of losses and metrics",
+            metrics = Collective.LOSSES_AND_METRICS
+            by_rank[rank].append(("blocked", timeline.OPS_ROW, metrics.name, metrics.what,
                                   start + arrival * MS, start + 9 * MS + MS // 10))
-            by_rank[rank].append(("collective", k, "the allreduce of losses and metrics", start + arrival * MS,
+            by_rank[rank].append(("collective", k, metrics.name, metrics.what, start + arrival * MS,
                                   start + 9 * MS + MS // 10))
     report = timeline.step_report(by_rank, [0, 0], ["fast", "busy"])
     assert "Straggler: rank 1 (host busy)" in report

@@ -28,6 +28,7 @@ import numpy as np
 from tarantella.runtime import events
 from tarantella.runtime.errors import (SAVE_HINT, CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
                                        first_failure, remember, with_call)
+from tarantella.runtime.kinds import Collective, kind_and_words
 from tarantella.runtime.peers import PeerMonitor
 
 MASTER_RANK = 0
@@ -83,26 +84,30 @@ class Communicator:
         """Why this communicator cannot be used any more (the ranks are out of step), or None."""
         return self._broken
 
-    def run(self, what, operation, agree_on=None, agreed=False, compare=None):
+    def run(self, what, operation, agree_on=None, agreed=False, compare=None, kind=None):
         """Runs `operation(mpi_comm)` on the worker, after any gradient round; bounded wait.
 
-        First the ranks agree that they all run `agree_on` (default: `what`), unless `agreed`:
+        `what` names the collective: a `Collective`, or the caller's words (with `kind`, the
+        `Collective` they belong to; default OTHER). First the ranks agree that they all run
+        `agree_on` (default: the words) of that kind, unless `agreed`:
         the opening of the step this collective belongs to covered it. With `compare` (a string,
         e.g. the call's shapes), the same message also finds whether every rank passed the same
         one: `operation` reads `compared_alike` (True, False, or None where nothing was compared)."""
+        kind, what = kind_and_words(what, kind)
         agree_on = None if agreed else (what if agree_on is None else agree_on)
 
         def body():
-            self.enter(what, agree_on, compare=compare)
+            self.enter(what, agree_on, compare=compare, kind=kind)
             return operation(self.mpi_comm)
 
-        return self._on_worker(what, body)
+        return self._on_worker(kind, what, body)
 
     def open_step(self, what, sequence, samples):
         """Agrees on a step's `sequence` of collectives and returns the sum of `samples` over ranks."""
-        return self._on_worker(what, lambda: self.enter(what, sequence, carried=samples))
+        opening = Collective.STEP_OPENING
+        return self._on_worker(opening, what, lambda: self.enter(what, sequence, carried=samples, kind=opening))
 
-    def _on_worker(self, what, body):
+    def _on_worker(self, kind, what, body):
         self.refuse_if_broken(what)
         outcome = {}
         done = threading.Event()
@@ -110,7 +115,7 @@ class Communicator:
 
         def job():
             try:
-                outcome["value"] = body() if recorder is None else recorder.run_collective(what, body)
+                outcome["value"] = body() if recorder is None else recorder.run_collective(kind, what, body)
             except BaseException as error:
                 outcome["error"] = error
             finally:
@@ -121,7 +126,7 @@ class Communicator:
         self._jobs.put(job)
         self.wait_watching(done.wait, what)
         if recorder is not None:
-            recorder.caller_waited(what, called)
+            recorder.caller_waited(kind, what, called)
         if "error" in outcome:
             raise remember(outcome["error"])
         return outcome.get("value")
@@ -158,19 +163,20 @@ class Communicator:
 
     # -- the agreement before each collective (runs on the worker) ------------------------
 
-    def enter(self, what, agree_on, carried=0, compare=None):
+    def enter(self, what, agree_on, carried=0, compare=None, kind=Collective.OTHER):
         """Waits until every rank enters a collective; raises if they entered different ones.
 
-        Returns the sum over ranks of the integer `carried`, which rides in the same message, as
-        does the comparison of `compare` (see `run`). With `agree_on` None it only notes the
-        collective: a step's opening agreed on it."""
+        The ranks agree on `agree_on` of `kind` (a Collective). Returns the sum over ranks of the
+        integer `carried`, which rides in the same message, as does the comparison of `compare`
+        (see `run`). With `agree_on` None it only notes the collective: a step's opening agreed
+        on it."""
         self.current = what
         self.entered += 1
         self.compared_alike = True if self.size == 1 and compare is not None else None
         if self.size == 1 or agree_on is None:
             return carried
         self.agreements += 1
-        code = self._code(agree_on)
+        code = self._code(f"{kind.name}: {agree_on}")
         # Every collective opens with this one message, so ranks in different collectives still
         # meet. The sums of code and code^2 are size*code and size*code^2 only if every rank sent
         # this code (their variance is then zero); exact in int64 for codes below _code_limit.
@@ -248,10 +254,13 @@ class Communicator:
 
     # -- synchronous collectives --------------------------------------------------
 
+    # `what` below, as in `run`: a Collective, or the words of a collective of no fixed kind.
+
     def allreduce_sum(self, array, what, agreed=False):
+        kind, words = kind_and_words(what)
         result = np.array(array, copy=True, order="C")
-        self.run(what, lambda comm: comm.Allreduce(self.MPI.IN_PLACE, result, op=self.MPI.SUM),
-                 agree_on=f"{what} of {result.dtype}[{result.size}]", agreed=agreed)
+        self.run(words, lambda comm: comm.Allreduce(self.MPI.IN_PLACE, result, op=self.MPI.SUM),
+                 agree_on=f"{words} of {result.dtype}[{result.size}]", agreed=agreed, kind=kind)
         return result
 
     def allgather(self, obj, what, agree_on=None):
@@ -259,7 +268,9 @@ class Communicator:
 
     def broadcast_bytes(self, buffer, what, root=MASTER_RANK):
         """Overwrites the uint8 array `buffer` with the root's copy."""
-        self.run(what, lambda comm: comm.Bcast(buffer, root=root), agree_on=f"{what} of {buffer.nbytes} bytes")
+        kind, words = kind_and_words(what)
+        self.run(words, lambda comm: comm.Bcast(buffer, root=root), agree_on=f"{words} of {buffer.nbytes} bytes",
+                 kind=kind)
 
     def broadcast_object(self, obj, what):
         """The master's `obj` (any picklable object), on every rank."""

@@ -17,6 +17,7 @@ import numpy as np
 from tarantella.runtime import events
 from tarantella.runtime.communicator import allgather_rows
 from tarantella.runtime.errors import CollectiveError, remember
+from tarantella.runtime.kinds import Collective
 
 _RING_MIN_BYTES = 1 << 20  # below this MPI's own algorithms have the lower latency
 
@@ -121,18 +122,18 @@ class Reducer:
         rank differentiated its loss divided by `divisor`, its guess of B; where that was
         wrong, its in-place buckets are rescaled before they are summed."""
         comm = self._comm
-        comm.refuse_if_broken("the gradient allreduce")
+        comm.refuse_if_broken(Collective.GRADIENTS.what)
         with self._round_lock:
             if self._round is None:
                 self._round = BucketRound(count)
                 step_round = self._round
-                what = f"the gradient allreduce of step {self._steps_reduced + 1}"
+                what = f"{Collective.GRADIENTS.what} of step {self._steps_reduced + 1}"
                 if opening is not None:
                     sequence, samples, divisor = opening
                     begin = lambda: step_round.open(self._open_round(what, sequence, samples), divisor)
                 else:
-                    agree_on = None if agreed else f"the gradient allreduce of {count} buckets"
-                    begin = lambda: comm.enter(what, agree_on)
+                    agree_on = None if agreed else f"{Collective.GRADIENTS.what} of {count} buckets"
+                    begin = lambda: comm.enter(what, agree_on, kind=Collective.GRADIENTS)
                 comm.submit_job(lambda: self._reduce_round(step_round, begin))
             step_round = self._round
         if events.observer is not None:
@@ -141,10 +142,11 @@ class Reducer:
 
     def _open_round(self, what, sequence, samples):
         """The agreement and sum of micro-batch sizes a gradient round opens its step with."""
-        opening = lambda: self._comm.enter(what, sequence, carried=samples)
+        kind = Collective.STEP_OPENING
+        opening = lambda: self._comm.enter(what, sequence, carried=samples, kind=kind)
         if events.observer is None:
             return opening()
-        return events.observer.run_collective(f"the allreduce of micro-batch sizes that opens {what}", opening)
+        return events.observer.run_collective(kind, f"{kind.what} that opens {what}", opening)
 
     def _reduce_round(self, step_round, begin):
         observer = events.observer
@@ -168,11 +170,11 @@ class Reducer:
         observer = events.observer
         called = observer and observer.now()
         try:
-            self._comm.wait_watching(step_round.wait, f"the gradient allreduce of step {self._steps_reduced + 1}")
+            self._comm.wait_watching(step_round.wait, f"{Collective.GRADIENTS.what} of step {self._steps_reduced + 1}")
         except BaseException as error:
             raise remember(error)
         if observer is not None:
-            observer.caller_waited("the gradient allreduce", called)
+            observer.caller_waited(Collective.GRADIENTS, Collective.GRADIENTS.what, called)
         self._steps_reduced += 1
         self.global_samples = step_round.global_samples
         return step_round.arrays

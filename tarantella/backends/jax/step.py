@@ -70,9 +70,10 @@ from tarantella.backends import fusion, loss_terms
 from tarantella.backends.base import Step
 from tarantella.backends.jax import devices as jax_devices
 from tarantella.backends.tensorflow import devices as tensorflow_devices
+from tarantella.runtime.kinds import Collective
 
-_MOMENTS = "the allreduce of synchronized BatchNormalization moments"
-_MOMENTS_GRADIENTS = "the allreduce of synchronized BatchNormalization gradients"
+_MOMENTS = Collective.BATCHNORM_MOMENTS
+_MOMENTS_GRADIENTS = Collective.BATCHNORM_GRADIENTS
 
 
 class JaxStep(Step):
@@ -206,7 +207,7 @@ class JaxStep(Step):
             outputs, state = function(state, iterator)
             leaves, structure = jax.tree.flatten(outputs)
             every_rank = self._comm.allgather_interleaved_rows([np.asarray(leaf) for leaf in leaves],
-                                                               "the gathering of predictions")
+                                                               Collective.PREDICTIONS)
             return jax.tree.unflatten(structure, every_rank), state
 
         return gathered
@@ -216,7 +217,7 @@ class JaxStep(Step):
     def _open_step(self, sequence, samples):
         """B, the sum of the ranks' `samples`; the opening agrees on `sequence`, which the
         rest of the trace completes before the step first runs."""
-        what = f"the allreduce of micro-batch sizes of {sequence[0]}"
+        what = f"{Collective.STEP_OPENING.what} of {sequence[0]}"
 
         def open_step():
             return np.int32(self._comm.open_step(what, "; ".join(sequence), samples))
@@ -230,10 +231,10 @@ class JaxStep(Step):
         if compile_loss is None or not compile_loss.built:
             return contextlib.nullcontext()
         inverse_share = (global_samples / samples).astype(jnp.float32) if samples else jnp.float32(0)
-        what = "the allreduce of a loss's divisor"
+        what = Collective.LOSS_DIVISOR
 
         def sum_over_ranks(local):
-            sequence.append(f"{what} of float32[1]")
+            sequence.append(f"{what.what} of float32[1]")
             local = jnp.reshape(jax.lax.stop_gradient(local).astype(jnp.float32), (1,))
             summed = io_callback(functools.partial(self._sum_in_float64, what),
                                  jax.ShapeDtypeStruct((1,), jnp.float32), local, ordered=True)
@@ -309,11 +310,11 @@ class JaxStep(Step):
         def sum_backward(_, cotangent):
             if not contributes:
                 cotangent = jnp.zeros_like(cotangent)
-            sequence.append(f"{_MOMENTS_GRADIENTS} of float64[{cotangent.size}]")
+            sequence.append(f"{_MOMENTS_GRADIENTS.what} of float64[{cotangent.size}]")
             return (io_callback(backward, spec, cotangent, ordered=True),)
 
         sum_over_ranks.defvjp(sum_forward, sum_backward)
-        sequence.append(f"{_MOMENTS} of float64[{local.size}]")
+        sequence.append(f"{_MOMENTS.what} of float64[{local.size}]")
         return sum_over_ranks(local)
 
     def _sum_gradients(self, sequence, grads, contributes):
@@ -388,8 +389,8 @@ class JaxStep(Step):
         flat = jnp.concatenate([jnp.ravel(v).astype(jnp.float32) for v in increments])
         if not contributes:
             flat = jnp.zeros_like(flat)
-        what = "the allreduce of losses and metrics"
-        sequence.append(f"{what} of float32[{flat.size}]")
+        what = Collective.LOSSES_AND_METRICS
+        sequence.append(f"{what.what} of float32[{flat.size}]")
         summed = io_callback(functools.partial(self._sum_in_float64, what), jax.ShapeDtypeStruct(flat.shape,
                              jnp.float32), flat, *(() if after is None else (after,)), ordered=True)
         offsets = np.cumsum([v.size for v in increments])[:-1]

@@ -44,6 +44,7 @@ from tarantella.backends.tensorflow import devices
 from tarantella.backends.tensorflow.gradients import GradientAllreduce
 from tarantella.backends.tensorflow.traced_step import StepState
 from tarantella.runtime import events
+from tarantella.runtime.kinds import Collective
 
 
 class TensorFlowStep(Step):
@@ -202,7 +203,7 @@ class TensorFlowStep(Step):
         parts = [tf.reshape(tf.cast(inc, tf.float64), [-1]) * w for inc, w in zip(increments, weights)]
         parts += [tf.reshape(tf.cast(value, tf.float64), [-1]) * step.share for value in numbers.values()]
         summed = self._allreduce(tf.where(has_samples, tf.concat(parts, 0), 0.0) if parts else
-                                 tf.zeros([0], tf.float64), "the allreduce of losses and metrics")
+                                 tf.zeros([0], tf.float64), Collective.LOSSES_AND_METRICS)
         pieces = iter(tf.split(summed, [int(np.prod(p.shape)) for p in parts]) if parts else [])
         for variable, before in zip(variables, saved):
             variable.assign(before + tf.cast(tf.reshape(next(pieces), variable.shape), variable.dtype))
@@ -222,7 +223,7 @@ class TensorFlowStep(Step):
     def open_step(self, sequence, samples):
         """The step's opening: the global batch size (float64), summed by a collective of its own
         that also agrees on the step's `sequence` of collectives (complete before it first runs)."""
-        opening = functools.partial(self._open_step, f"the allreduce of micro-batch sizes of {sequence[0]}",
+        opening = functools.partial(self._open_step, f"{Collective.STEP_OPENING.what} of {sequence[0]}",
                                     sequence)
         global_samples = tf.cast(tf.numpy_function(opening, [tf.cast(samples, tf.int64)], tf.int64, stateful=True,
                                                    name="tnt_open_step"), tf.float64)
@@ -244,19 +245,20 @@ class TensorFlowStep(Step):
         expected = self._expected_global_samples.read_value()
         return tf.where(expected > 0, expected, tf.cast(samples, tf.float64) * self._comm.size)
 
-    def _allreduce(self, vector, what):
-        """The sum of a float64 vector over ranks; inside a traced step, part of its sequence."""
+    def _allreduce(self, vector, kind):
+        """The sum of a float64 vector over ranks (a collective of `kind`, a Collective); inside a
+        traced step, part of its sequence."""
         agreed = self._sequence is not None
         if agreed:
             self._step.global_samples  # the step's first collective is its opening, which agrees
-            self._sequence.append(f"{what} of float64{vector.shape}")
-        summed = tf.numpy_function(functools.partial(self._comm.allreduce_sum, what=what, agreed=agreed),
+            self._sequence.append(f"{kind.what} of float64{vector.shape}")
+        summed = tf.numpy_function(functools.partial(self._comm.allreduce_sum, what=kind, agreed=agreed),
                                    [vector], tf.float64, stateful=True, name="tnt_allreduce")
         summed.set_shape(vector.shape)
         return summed
 
     def _gather_predictions(self, *arrays):
-        return self._comm.allgather_interleaved_rows(list(arrays), "the gathering of predictions")
+        return self._comm.allgather_interleaved_rows(list(arrays), Collective.PREDICTIONS)
 
     def reduce_gradients(self, grads, variables, contributes=None, loss_divisor=None):
         """The sum over ranks of each rank's share-weighted gradients (None stays None); a rank

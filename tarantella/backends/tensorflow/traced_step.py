@@ -13,6 +13,8 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import nn as keras_tensorflow_nn
 from keras.src.losses import loss as keras_loss
 
+from tarantella.runtime.kinds import Collective
+
 _keras_reduce_weighted_values = keras_loss.reduce_weighted_values
 
 _MEAN_REDUCTIONS = ("mean", "sum_over_batch_size")
@@ -175,13 +177,13 @@ class StepState:
         @tf.custom_gradient
         def allreduce(vector):
             def grad(upstream):
-                what = "the allreduce of synchronized BatchNormalization gradients"
+                what = Collective.BATCHNORM_GRADIENTS
                 if step.loss_weighted:  # backprop started from the share-weighted loss
                     return runner._allreduce(tf.where(step.has_samples, upstream, tf.zeros_like(upstream)), what)
                 # Each rank's gradients are weighted by its share only after backprop (in apply), so
                 # the upstream gradients are weighted here, and the weight is taken out again.
                 return tf.math.divide_no_nan(runner._allreduce(upstream * share, what), share)
-            return runner._allreduce(vector, "the allreduce of synchronized BatchNormalization moments"), grad
+            return runner._allreduce(vector, Collective.BATCHNORM_MOMENTS), grad
 
         total, squares, count = [tf.reshape(t, shape) for t in tf.split(allreduce(flat), 3)]
         mean = tf.math.divide_no_nan(total, count)
@@ -234,7 +236,7 @@ class _GlobalLossTerm:
             return value  # a mean over the micro-batch's entries: the share is the right weight
         step = self._step
         local = tf.where(step.has_samples, local, 0.0)
-        total = step._runner._allreduce(tf.reshape(local, [1]), "the allreduce of a loss's divisor")[0]
+        total = step._runner._allreduce(tf.reshape(local, [1]), Collective.LOSS_DIVISOR)[0]
         factor = tf.math.divide_no_nan(local, total) * step.inverse_share
         return value * tf.cast(factor, value.dtype)
 

@@ -50,10 +50,11 @@ from tarantella.backends import fusion, loss_terms
 from tarantella.backends.base import Step
 from tarantella.backends.tensorflow import devices as tensorflow_devices
 from tarantella.backends.torch import devices as torch_devices
+from tarantella.runtime.kinds import Collective
 
-_METRICS = "the allreduce of losses and metrics"
-_MOMENTS = "the allreduce of synchronized BatchNormalization moments"
-_MOMENTS_GRADIENTS = "the allreduce of synchronized BatchNormalization gradients"
+_METRICS = Collective.LOSSES_AND_METRICS
+_MOMENTS = Collective.BATCHNORM_MOMENTS
+_MOMENTS_GRADIENTS = Collective.BATCHNORM_GRADIENTS
 
 
 class TorchStep(Step):
@@ -119,7 +120,7 @@ class TorchStep(Step):
         data, samples = _at_least_one_row(data)
         metric_variables = model.metrics_variables
         sequence = "; ".join(["a training step", plan.description, _metrics_description(metric_variables)])
-        global_samples = self._comm.open_step("the allreduce of micro-batch sizes of a training step",
+        global_samples = self._comm.open_step(f"{Collective.STEP_OPENING.what} of a training step",
                                               sequence, samples)
         share = samples / global_samples
         kept = [v.numpy() for v in model.non_trainable_variables] if samples == 0 else None
@@ -143,7 +144,7 @@ class TorchStep(Step):
         data, samples = _at_least_one_row(data)
         metric_variables = model.metrics_variables
         sequence = "; ".join(["a test step", _metrics_description(metric_variables)])
-        global_samples = self._comm.open_step("the allreduce of micro-batch sizes of a test step", sequence,
+        global_samples = self._comm.open_step(f"{Collective.STEP_OPENING.what} of a test step", sequence,
                                               samples)
         state_before = _zero(metric_variables)
         with self._global_loss_terms(samples, global_samples):
@@ -161,7 +162,7 @@ class TorchStep(Step):
 
         def sum_over_ranks(local):
             vector = np.array([float(local)], np.float64)
-            return float(self._comm.allreduce_sum(vector, "the allreduce of a loss's divisor")[0])
+            return float(self._comm.allreduce_sum(vector, Collective.LOSS_DIVISOR)[0])
 
         inverse_share = global_samples / samples if samples else 0.0
         return loss_terms.global_loss_terms(compile_loss, inverse_share, sum_over_ranks)
@@ -172,7 +173,7 @@ class TorchStep(Step):
         outputs = self._model.predict_step(data)
         leaves = keras.tree.flatten(outputs)
         own_rows = [leaf[:samples].detach().cpu().numpy() for leaf in leaves]
-        every_rank = self._comm.allgather_interleaved_rows(own_rows, "the gathering of predictions")
+        every_rank = self._comm.allgather_interleaved_rows(own_rows, Collective.PREDICTIONS)
         return keras.tree.pack_sequence_as(outputs, [torch.from_numpy(rows) for rows in every_rank])
 
     # -- gradients ------------------------------------------------------------------------------
@@ -431,7 +432,7 @@ def _wire_dtype(variable):
 
 
 def _metrics_description(metric_variables):
-    return f"{_METRICS} of float64[{sum(int(np.prod(v.shape)) for v in metric_variables)}]"
+    return f"{_METRICS.what} of float64[{sum(int(np.prod(v.shape)) for v in metric_variables)}]"
 
 
 def _zero(variables):
