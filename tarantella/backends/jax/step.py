@@ -68,6 +68,7 @@ from keras.src.backend.jax import nn as keras_jax_nn
 
 from tarantella.backends import fusion, loss_terms
 from tarantella.backends.base import Step
+from tarantella.backends.rows import at_least_one_row
 from tarantella.backends.jax import devices as jax_devices
 from tarantella.backends.tensorflow import devices as tensorflow_devices
 from tarantella.runtime.kinds import Collective
@@ -141,7 +142,7 @@ class JaxStep(Step):
     def train(self, state, data):
         trainable, non_trainable, optimizer_state, metric_state = state
         model = self._model
-        data, samples = _at_least_one_row(data)
+        data, samples = at_least_one_row(data)
         sequence = ["a training step"]
         global_samples = self._open_step(sequence, samples)
         share = (samples / global_samples).astype(jnp.float32)
@@ -169,7 +170,7 @@ class JaxStep(Step):
     def test(self, state, data):
         trainable, non_trainable, metric_state = state
         model = self._model
-        data, samples = _at_least_one_row(data)
+        data, samples = at_least_one_row(data)
         sequence = ["a test step"]
         global_samples = self._open_step(sequence, samples)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -185,7 +186,7 @@ class JaxStep(Step):
 
     def predict(self, state, data):
         """The rank's own predictions; `wrap_function` gathers them."""
-        data, samples = _at_least_one_row(data)
+        data, samples = at_least_one_row(data)
         outputs, non_trainable = self._model.predict_step(state, data)
         return jax.tree.map(lambda t: t[:samples], outputs), non_trainable
 
@@ -408,17 +409,6 @@ class JaxStep(Step):
         model = self._model
         with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, metric_state))):
             return model.get_metrics_result()
-
-
-def _at_least_one_row(data):
-    """The batch and its (static) number of rows m; with m == 0 the batch becomes one zero row."""
-    batched = [leaf for leaf in jax.tree.leaves(data) if getattr(leaf, "ndim", 0)]
-    samples = batched[0].shape[0] if batched else 1
-    if samples > 0:
-        return data, samples
-    one_zero_row = lambda leaf: (jnp.zeros((1,) + tuple(leaf.shape[1:]), leaf.dtype)
-                                 if getattr(leaf, "ndim", 0) else leaf)
-    return jax.tree.map(one_zero_row, data), 0
 
 
 def platform_refusal(platform):

@@ -48,6 +48,7 @@ from keras.src.backend.torch import nn as keras_torch_nn
 
 from tarantella.backends import fusion, loss_terms
 from tarantella.backends.base import Step
+from tarantella.backends.rows import at_least_one_row
 from tarantella.backends.tensorflow import devices as tensorflow_devices
 from tarantella.backends.torch import devices as torch_devices
 from tarantella.runtime.kinds import Collective
@@ -117,7 +118,7 @@ class TorchStep(Step):
     def train(self, data):
         model = self._model
         plan = self._gradient_plan()
-        data, samples = _at_least_one_row(data)
+        data, samples = at_least_one_row(data)
         metric_variables = model.metrics_variables
         sequence = "; ".join(["a training step", plan.description, _metrics_description(metric_variables)])
         global_samples = self._comm.open_step(f"{Collective.STEP_OPENING.what} of a training step",
@@ -141,7 +142,7 @@ class TorchStep(Step):
 
     def test(self, data):
         model = self._model
-        data, samples = _at_least_one_row(data)
+        data, samples = at_least_one_row(data)
         metric_variables = model.metrics_variables
         sequence = "; ".join(["a test step", _metrics_description(metric_variables)])
         global_samples = self._comm.open_step(f"{Collective.STEP_OPENING.what} of a test step", sequence,
@@ -169,7 +170,7 @@ class TorchStep(Step):
 
     def predict(self, data):
         """Every rank's predictions of the global batch, in sample order."""
-        data, samples = _at_least_one_row(data)
+        data, samples = at_least_one_row(data)
         outputs = self._model.predict_step(data)
         leaves = keras.tree.flatten(outputs)
         own_rows = [leaf[:samples].detach().cpu().numpy() for leaf in leaves]
@@ -441,14 +442,3 @@ def _zero(variables):
     for variable, value in zip(variables, before):
         variable.assign(np.zeros_like(value))
     return before
-
-
-def _at_least_one_row(data):
-    """The batch and its number of rows m; with m == 0 the batch becomes one zero row."""
-    batched = [leaf for leaf in keras.tree.flatten(data) if getattr(leaf, "ndim", 0)]
-    samples = int(batched[0].shape[0]) if batched else 1
-    if samples > 0:
-        return data, samples
-    one_zero_row = lambda leaf: (torch.zeros((1,) + tuple(leaf.shape[1:]), dtype=leaf.dtype, device=leaf.device)
-                                 if getattr(leaf, "ndim", 0) else leaf)
-    return keras.tree.map_structure(one_zero_row, data), 0
