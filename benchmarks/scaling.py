@@ -13,7 +13,8 @@ master rank's training-step time and samples/s of:
       this machine, where the allreduce cannot hide behind compute (the ranks share its cores);
   (timeline) named in --variants only: (c) recording its timeline (tarantella --timeline);
   (@REV) with --against REV: tarantella as it was at git revision REV, at 2 ranks (a git
-      worktree of REV, imported by the same Python and packages; the worker is this one);
+      worktree of REV, imported by the same Python and packages; the worker is this one), on
+      every backend;
   (horovod) LeNet-5 and the MLP only: Horovod 0.28.1 at 2 ranks, on TensorFlow 2.15 and
       Keras 2, from the environment that benchmarks/make_horovod_venv.sh builds (--horovod-venv;
       skipped, with a line saying so, where there is none), under the same launcher and mpiexec;
@@ -241,15 +242,15 @@ def select_other_backend_variants(model, named, revisions, backend):
     if model not in OTHER_BACKEND_MODELS:
         raise ValueError(f"{model} is timed on the TensorFlow backend only; on {backend}: "
                          f"{', '.join(OTHER_BACKEND_MODELS)}")
-    if revisions:
-        raise ValueError(f"--against is TensorFlow-only; it cannot time older revisions on {backend}")
     labels = named if named is not None else [label for label in OTHER_BACKEND_VARIANTS if label != "split"]
+    labels = labels + [label for label in revisions if label not in labels]
     variants = {}
     for label in labels:
-        variant = VARIANTS.get(label) if label in OTHER_BACKEND_VARIANTS else setting_variant(label)
+        variant = (revisions.get(label) or VARIANTS.get(label) if label in OTHER_BACKEND_VARIANTS + ("timeline",)
+                   or label in revisions else setting_variant(label))
         if variant is None:
             raise ValueError(f"variant {label} is TensorFlow-only or unknown; on {backend} choose from "
-                             f"{', '.join(OTHER_BACKEND_VARIANTS)} or c+NAME=VALUE")
+                             f"{', '.join(OTHER_BACKEND_VARIANTS)}, timeline, @REV or c+NAME=VALUE")
         variants[label] = variant._replace(environment=variant.environment + (("KERAS_BACKEND", backend),))
     return variants
 

@@ -224,15 +224,21 @@ def test_other_backends_time_lenet5_and_the_mlp_with_their_backend_set(backend):
 
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_tensorflow_only_variants_and_models_are_refused_on_other_backends(backend):
-    for label in ["horovod", "keras2", "keras2-split", "e", "timeline", "no-agreement"]:
+    for label in ["horovod", "keras2", "keras2-split", "e", "no-agreement"]:
         with pytest.raises(ValueError, match=f"TensorFlow-only or unknown; on {backend}"):
             scaling.select_variants("lenet5", ["c", label], {}, None, "", backend)
     for model in ["resnet50", "transformer"]:
         with pytest.raises(ValueError, match=f"{model} is timed on the TensorFlow backend only"):
             scaling.select_variants(model, None, {}, None, "", backend)
-    revision = {"@main": scaling.VARIANTS["c"]}
-    with pytest.raises(ValueError, match=f"--against is TensorFlow-only.*{backend}"):
-        scaling.select_variants("lenet5", None, revision, None, "", backend)
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_earlier_revisions_and_the_timeline_are_timed_on_other_backends_too(backend):
+    revision = scaling.VARIANTS["c"]._replace(description="tarantella at main", tarantella_folder="/tmp/main")
+    selected = scaling.select_variants("lenet5", ["c", "timeline"], {"@main": revision}, None, "", backend)
+    assert list(selected) == ["c", "timeline", "@main"]
+    assert selected["@main"].tarantella_folder == "/tmp/main"
+    assert all(("KERAS_BACKEND", backend) in variant.environment for variant in selected.values())
 
 
 def test_an_unknown_backend_or_a_tensorflow_only_variant_stops_the_command_before_measuring():
