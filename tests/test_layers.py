@@ -129,3 +129,16 @@ def test_every_module_opens_with_what_it_holds():
         tree = ast.parse(path.read_text())
         docstring = ast.get_docstring(tree)
         assert docstring and path.read_text().lstrip().startswith('"""'), f"{name} does not open with a docstring"
+
+
+def test_the_distribution_ships_every_subpackage():
+    """A wheel (not an editable install) holds the packages pyproject.toml names: every folder of
+    the package must be among them, or a user's `pip install tarantella` misses its modules."""
+    import tomllib
+
+    import setuptools
+
+    found = (tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"])
+    shipped = set(setuptools.find_packages(str(REPO), include=found["include"]))
+    folders = {".".join(path.parent.relative_to(REPO).parts) for path in PACKAGE.rglob("__init__.py")}
+    assert folders and folders <= shipped, f"not shipped: {sorted(folders - shipped)}"
