@@ -79,8 +79,7 @@ class Callback(keras.callbacks.Callback):
 
     @property
     def async_safe(self) -> bool:
-        """Whether Keras may run the batch hooks asynchronously: as for the wrapped callback, which
-        allows it, or overrides no batch hook."""
+        # Keras may dispatch batch hooks asynchronously unless a callback needs them: as the callback it wraps.
         inner = self.callback
         return getattr(inner, "async_safe", False) or all(
             getattr(type(inner), hook) is getattr(keras.callbacks.Callback, hook)

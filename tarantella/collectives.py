@@ -68,14 +68,14 @@ def allreduce(values: Values, op: ReductionOp | Literal["sum", "mean", "prod", "
             floating-point or complex values.
 
     Returns:
-        The combined values, in the structure of `values`: NumPy arrays for NumPy arrays and
-        numbers, tensors for tensors and variables.
+        The combined values in the structure of `values` (NumPy arrays for NumPy arrays and
+        numbers, tensors for tensors and variables).
 
     Raises:
         ValueError: `op` is unknown, or the ranks passed different structures, shapes or dtypes.
         TypeError: a value's dtype cannot be reduced with `op`, or a value is neither a tensor,
             variable, array nor number.
-        CollectiveError: the ranks could not complete the collective (e.g. a rank did not
+        tarantella.CollectiveError: the ranks could not complete the collective (e.g. a rank did not
             take part in time).
     """
     op = _reduction_op(op)
@@ -103,7 +103,7 @@ def broadcast(values: Values, root: int = 0) -> Values:
         ValueError: `root` is no rank, or the ranks passed different structures, shapes or dtypes.
         TypeError: a value is not numeric or boolean, or is neither a tensor, variable, array nor
             number.
-        CollectiveError: the ranks could not complete the collective.
+        tarantella.CollectiveError: the ranks could not complete the collective.
     """
     root = _check_root(root)
     leaves = _leaves("broadcast", values)
@@ -133,7 +133,7 @@ def allgather(values: Values) -> Values:
         ValueError: the ranks passed different structures, dtypes or shapes after the first axis.
         TypeError: a value is not numeric or boolean, or is neither a tensor, variable, array nor
             number.
-        CollectiveError: the ranks could not complete the collective.
+        tarantella.CollectiveError: the ranks could not complete the collective.
     """
     leaves = _leaves("allgather", values)
     for leaf in leaves:
@@ -154,7 +154,7 @@ def barrier() -> None:
     """Returns once every rank has called it.
 
     Raises:
-        CollectiveError: the ranks could not complete the collective (e.g. a rank did not
+        tarantella.CollectiveError: the ranks could not complete the collective (e.g. a rank did not
             call it in time).
     """
     _collective("barrier", [], [], lambda comm, arrays, _: [], lambda shape: shape, detail=None)
@@ -175,7 +175,7 @@ def broadcast_variables(variables: tf.Variable | keras.Variable | Sequence[tf.Va
     Raises:
         TypeError: an element of `variables` is no tf.Variable or keras.Variable.
         ValueError: `root` is no rank, or the ranks passed different variables.
-        CollectiveError: the ranks could not complete the collective.
+        tarantella.CollectiveError: the ranks could not complete the collective.
     """
     variables = tf.nest.flatten(variables)
     for variable in variables:
@@ -290,7 +290,8 @@ class TensorAllgatherer:
                 differ from rank to rank.
 
         Returns:
-            One 1-D value per value of `inputs`: every rank's value flattened, in rank order.
+            One 1-D value per value of `inputs`, the concatenation of every rank's value flattened,
+            in rank order.
 
         Raises:
             ValueError: `inputs` differ from the constructor's in structure, dtype or shape after
