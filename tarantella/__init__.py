@@ -11,6 +11,12 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 __version__ = "0.10.0"
 
+# What `from tarantella import *` binds: the version here, the public functions and classes below once
+# they are imported (never in the `tarantella` command, which imports none of them). The namespaces
+# tnt.data, tnt.models, tnt.optimizers and tnt.keras are left out, so that a star import cannot hide
+# the user's own `keras` or `data`.
+__all__ = ["__version__"]
+
 
 def _started_as_launcher():
     """True in the `tarantella` and `tarantella-timeline` commands, which are no ranks."""
@@ -38,5 +44,13 @@ if not _started_as_launcher():
     from tarantella import backups as _backups  # noqa: F401 (adds the automatic backups to every fit)
 
     keras = SimpleNamespace(callbacks=_callbacks)  # tnt.keras.callbacks.Callback
+
+    __all__ += [
+        "init", "get_rank", "get_size", "get_master_rank", "is_master_rank",
+        "Model", "Sequential", "ParallelStrategy",
+        "allreduce", "broadcast", "allgather", "barrier", "broadcast_variables",
+        "ReductionOp", "TensorAllreducer", "TensorBroadcaster", "TensorAllgatherer",
+        "CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError", "RankFailedError", "RankLeftError",
+    ]
 
     init()

@@ -7,14 +7,19 @@ decides alike. Keras' callbacks that print or write files run on the master alon
 progress bar, one CSV file, one checkpoint. `Callback` sets this for a user's own callback.
 """
 
+from __future__ import annotations
+
 import contextlib
 import os
+from typing import Any
 
 import keras
 
 from tarantella import saving
 from tarantella.common import config
 from tarantella.runtime import world
+
+__all__ = ["Callback"]
 
 _DECIDING = (keras.callbacks.EarlyStopping, keras.callbacks.ReduceLROnPlateau,
              keras.callbacks.LearningRateScheduler, keras.callbacks.TerminateOnNaN)
@@ -42,7 +47,8 @@ class Callback(keras.callbacks.Callback):
             ReduceLROnPlateau, LearningRateScheduler, TerminateOnNaN) with either setting False.
     """
 
-    def __init__(self, callback, aggregate_logs=True, run_on_all_ranks=True):
+    def __init__(self, callback: keras.callbacks.Callback, aggregate_logs: bool = True,
+                 run_on_all_ranks: bool = True) -> None:
         super().__init__()
         if isinstance(callback, Callback):
             raise TypeError("This callback is already a tnt.keras.callbacks.Callback; wrap the Keras "
@@ -63,16 +69,16 @@ class Callback(keras.callbacks.Callback):
         self.aggregate_logs = aggregate_logs
         self.run_on_all_ranks = run_on_all_ranks and not isinstance(callback, _PRINTING_OR_WRITING + _SAVING)
 
-    def set_model(self, model):
+    def set_model(self, model: keras.Model) -> None:
         super().set_model(model)
         self.callback.set_model(model)
 
-    def set_params(self, params):
+    def set_params(self, params: dict[str, Any]) -> None:
         super().set_params(params)
         self.callback.set_params(params)
 
     @property
-    def async_safe(self):
+    def async_safe(self) -> bool:
         # Keras may dispatch batch hooks asynchronously unless a callback needs them: as the callback it wraps.
         inner = self.callback
         return getattr(inner, "async_safe", False) or all(
@@ -88,46 +94,46 @@ class Callback(keras.callbacks.Callback):
         with saving.master_alone(), _told_to_every_rank(self.callback, self.model):
             getattr(self.callback, hook)(*args, logs=logs)
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._call("on_train_begin", logs=logs)
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         self._call("on_train_end", logs=logs, local_logs=self._local_epoch_logs)
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._call("on_epoch_begin", epoch, logs=logs)
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._call("on_epoch_end", epoch, logs=logs, local_logs=self._local_epoch_logs)
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._call("on_train_batch_begin", batch, logs=logs)
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._call("on_train_batch_end", batch, logs=logs, local_logs=self._local_logs)
 
-    def on_test_begin(self, logs=None):
+    def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._call("on_test_begin", logs=logs)
 
-    def on_test_end(self, logs=None):
+    def on_test_end(self, logs: dict[str, Any] | None = None) -> None:
         self._call("on_test_end", logs=logs, local_logs=self._local_logs)
 
-    def on_test_batch_begin(self, batch, logs=None):
+    def on_test_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._call("on_test_batch_begin", batch, logs=logs)
 
-    def on_test_batch_end(self, batch, logs=None):
+    def on_test_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._call("on_test_batch_end", batch, logs=logs, local_logs=self._local_logs)
 
-    def on_predict_begin(self, logs=None):
+    def on_predict_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._call("on_predict_begin", logs=logs)
 
-    def on_predict_end(self, logs=None):
+    def on_predict_end(self, logs: dict[str, Any] | None = None) -> None:
         self._call("on_predict_end", logs=logs)
 
-    def on_predict_batch_begin(self, batch, logs=None):
+    def on_predict_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._call("on_predict_batch_begin", batch, logs=logs)
 
-    def on_predict_batch_end(self, batch, logs=None):
+    def on_predict_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         # Predictions are gathered from all ranks in the step itself: every rank sees them all.
         self._call("on_predict_batch_end", batch, logs=logs)
 

@@ -15,7 +15,11 @@ that opens every collective (the agreement) and gather the layouts only when the
 differ, to name the mismatch.
 """
 
+from __future__ import annotations
+
 import enum
+from collections.abc import Sequence
+from typing import Any, Literal, Union
 
 import keras
 import numpy as np
@@ -26,9 +30,18 @@ from tarantella.backends import fusion
 from tarantella.runtime import world
 from tarantella.runtime.kinds import Collective
 
+__all__ = ["ReductionOp", "TensorAllgatherer", "TensorAllreducer", "TensorBroadcaster", "allgather", "allreduce",
+           "barrier", "broadcast", "broadcast_variables"]
+
+# The types of the annotations. One value a collective moves: a tensor or variable, a NumPy array or a
+# Python or NumPy number (on the JAX backend a JAX array too), or None, which stays None.
+Value = Union[tf.Tensor, tf.Variable, keras.Variable, np.ndarray, np.generic, int, float, complex, bool, None]
+# Values, or lists, tuples and dicts of them, nested.
+Values = Union[Value, list[Any], tuple[Any, ...], dict[Any, Any]]
+
 
 class ReductionOp(str, enum.Enum):
-    """How allreduce combines the ranks' values; the plain strings work too."""
+    """How allreduce combines the ranks' values; the plain strings ("sum", "mean", ...) work too."""
     SUM = "sum"
     AVERAGE = "mean"
     PRODUCT = "prod"
@@ -43,13 +56,27 @@ _ORDERED = _REDUCIBLE - {tf.complex64, tf.complex128}
 
 
 @tf.autograph.experimental.do_not_convert
-def allreduce(values, op="sum"):
+def allreduce(values: Values, op: ReductionOp | Literal["sum", "mean", "prod", "min", "max"] = "sum") -> Values:
     """Combines `values` over all ranks elementwise; every rank gets the result.
 
-    `values` is a tensor, variable, NumPy array or Python number, or a list, tuple or dict
-    of them (None entries stay None). `op` is "sum", "mean", "prod", "min" or "max" (or a
-    `tnt.ReductionOp`). Every rank passes the same structure, shapes and dtypes; results
-    keep them. "mean" needs floating-point or complex values.
+    Every rank passes the same structure, shapes and dtypes; results keep them.
+
+    Args:
+        values: a tensor, variable, NumPy array or Python number, or a list, tuple or dict of
+            them (None entries stay None).
+        op: "sum", "mean", "prod", "min" or "max" (or a `tnt.ReductionOp`). "mean" needs
+            floating-point or complex values.
+
+    Returns:
+        The combined values in the structure of `values` (NumPy arrays for NumPy arrays and
+        numbers, tensors for tensors and variables).
+
+    Raises:
+        ValueError: `op` is unknown, or the ranks passed different structures, shapes or dtypes.
+        TypeError: a value's dtype cannot be reduced with `op`, or a value is neither a tensor,
+            variable, array nor number.
+        tarantella.CollectiveError: the ranks could not complete the collective (e.g. a rank did not
+            take part in time).
     """
     op = _reduction_op(op)
     leaves = _leaves("allreduce", values)
@@ -61,8 +88,23 @@ def allreduce(values, op="sum"):
 
 
 @tf.autograph.experimental.do_not_convert
-def broadcast(values, root=0):
-    """Every rank gets the `root` rank's `values` (same structure, shapes and dtypes on all ranks)."""
+def broadcast(values: Values, root: int = 0) -> Values:
+    """Every rank gets the `root` rank's `values` (same structure, shapes and dtypes on all ranks).
+
+    Args:
+        values: a tensor, variable, NumPy array or Python number, or a list, tuple or dict of
+            them (None entries stay None); on the other ranks, values shaped like the root's.
+        root: the rank whose values every rank gets.
+
+    Returns:
+        The root's values, in the structure of `values`.
+
+    Raises:
+        ValueError: `root` is no rank, or the ranks passed different structures, shapes or dtypes.
+        TypeError: a value is not numeric or boolean, or is neither a tensor, variable, array nor
+            number.
+        tarantella.CollectiveError: the ranks could not complete the collective.
+    """
     root = _check_root(root)
     leaves = _leaves("broadcast", values)
     for leaf in leaves:
@@ -73,12 +115,25 @@ def broadcast(values, root=0):
 
 
 @tf.autograph.experimental.do_not_convert
-def allgather(values):
+def allgather(values: Values) -> Values:
     """Concatenates every rank's `values` along the first axis, in rank order.
 
     Ranks may pass different first-dimension sizes (0 included); the other dimensions and
     the dtype must agree. A scalar counts as one row: gathering scalars gives a vector with
     one entry per rank.
+
+    Args:
+        values: a tensor, variable, NumPy array or Python number, or a list, tuple or dict of
+            them (None entries stay None).
+
+    Returns:
+        The gathered values, in the structure of `values`.
+
+    Raises:
+        ValueError: the ranks passed different structures, dtypes or shapes after the first axis.
+        TypeError: a value is not numeric or boolean, or is neither a tensor, variable, array nor
+            number.
+        tarantella.CollectiveError: the ranks could not complete the collective.
     """
     leaves = _leaves("allgather", values)
     for leaf in leaves:
@@ -95,17 +150,32 @@ def _gathered_shape(shape):
 
 
 @tf.autograph.experimental.do_not_convert
-def barrier():
-    """Returns once every rank has called it."""
+def barrier() -> None:
+    """Returns once every rank has called it.
+
+    Raises:
+        tarantella.CollectiveError: the ranks could not complete the collective (e.g. a rank did not
+            call it in time).
+    """
     _collective("barrier", [], [], lambda comm, arrays, _: [], lambda shape: shape, detail=None)
 
 
 @tf.autograph.experimental.do_not_convert
-def broadcast_variables(variables, root=0):
+def broadcast_variables(variables: tf.Variable | keras.Variable | Sequence[tf.Variable | keras.Variable],
+                        root: int = 0) -> None:
     """Assigns the `root` rank's values to `variables` (tf.Variable or keras.Variable) on every rank.
 
     Call it once the variables exist: e.g. `model.variables` after the model was built,
     `optimizer.variables` after `optimizer.build(model.trainable_variables)`.
+
+    Args:
+        variables: a variable, or a list (or nested structure) of variables.
+        root: the rank whose values every rank gets.
+
+    Raises:
+        TypeError: an element of `variables` is no tf.Variable or keras.Variable.
+        ValueError: `root` is no rank, or the ranks passed different variables.
+        tarantella.CollectiveError: the ranks could not complete the collective.
     """
     variables = tf.nest.flatten(variables)
     for variable in variables:
@@ -123,13 +193,33 @@ def broadcast_variables(variables, root=0):
 
 
 class TensorAllreducer:
-    """Allreduces values shaped like `inputs` (a tensor, array, number, or a list/dict of them)."""
+    """Allreduces values shaped like `inputs` (a tensor, array, number, or a list/dict of them).
 
-    def __init__(self, inputs, reduction_op=ReductionOp.SUM):
+    Args:
+        inputs: values of the shapes and dtypes that `allreduce` will take (no None entries).
+        reduction_op: how the values are combined, as `op` of `tnt.allreduce`.
+
+    Raises:
+        ValueError: `inputs` holds None, or `reduction_op` is unknown.
+        TypeError: a value is neither a tensor, variable, array nor number.
+    """
+
+    def __init__(self, inputs: Values, reduction_op: ReductionOp | str = ReductionOp.SUM) -> None:
         self._template = _checked_template("TensorAllreducer", inputs)
         self._op = _reduction_op(reduction_op)
 
-    def allreduce(self, inputs):
+    def allreduce(self, inputs: Values) -> Values:
+        """Combines `inputs` over all ranks, as `tnt.allreduce` does.
+
+        Args:
+            inputs: values structured, shaped and typed as the constructor's `inputs`.
+
+        Returns:
+            The combined values; a number given eagerly comes back as a NumPy scalar.
+
+        Raises:
+            ValueError: `inputs` differ from the constructor's in structure, shape or dtype.
+        """
         _check_like_template("TensorAllreducer.allreduce", self._template, inputs)
         return _numbers_for_numbers(inputs, allreduce(inputs, self._op))
 
@@ -139,13 +229,34 @@ class TensorBroadcaster:
 
     `broadcast(inputs)` on the root sends its values; other ranks may call `broadcast()`
     without inputs and receive values shaped like the constructor's `inputs`.
+
+    Args:
+        inputs: values of the shapes and dtypes that `broadcast` will move (no None entries).
+        root_rank: the rank that sends.
+
+    Raises:
+        ValueError: `inputs` holds None, or `root_rank` is no rank.
+        TypeError: a value is neither a tensor, variable, array nor number.
     """
 
-    def __init__(self, inputs, root_rank=world.MASTER_RANK):
+    def __init__(self, inputs: Values, root_rank: int = world.MASTER_RANK) -> None:
         self._template = _checked_template("TensorBroadcaster", inputs)
         self._root = _check_root(root_rank)
 
-    def broadcast(self, inputs=None):
+    def broadcast(self, inputs: Values | None = None) -> Values:
+        """Every rank gets the root's `inputs`, as from `tnt.broadcast`.
+
+        Args:
+            inputs: the values to send on the root; on the other ranks, values like them, or
+                None to receive values shaped like the constructor's `inputs`.
+
+        Returns:
+            The root's values; a number given eagerly comes back as a NumPy scalar.
+
+        Raises:
+            ValueError: the root passed no `inputs`, or `inputs` differ from the constructor's
+                in structure, shape or dtype.
+        """
         if inputs is None:
             if world.get_rank() == self._root:
                 raise ValueError("TensorBroadcaster.broadcast() needs the values to send on the root rank "
@@ -157,12 +268,35 @@ class TensorBroadcaster:
 
 class TensorAllgatherer:
     """Gathers values shaped like `inputs` (the first axis may vary) from every rank: each value
-    becomes the 1-D concatenation, in rank order, of every rank's value flattened."""
+    becomes the 1-D concatenation, in rank order, of every rank's value flattened.
 
-    def __init__(self, inputs):
+    Args:
+        inputs: values of the dtypes, and the shapes after the first axis, that `allgather` will
+            take (no None entries).
+
+    Raises:
+        ValueError: `inputs` holds None.
+        TypeError: a value is neither a tensor, variable, array nor number.
+    """
+
+    def __init__(self, inputs: Values) -> None:
         self._template = _checked_template("TensorAllgatherer", inputs)
 
-    def allgather(self, inputs):
+    def allgather(self, inputs: Values) -> Values:
+        """Gathers `inputs` from every rank, as `tnt.allgather` does, and flattens each result.
+
+        Args:
+            inputs: values structured and typed as the constructor's `inputs`; the first axis may
+                differ from rank to rank.
+
+        Returns:
+            One 1-D value per value of `inputs`, the concatenation of every rank's value flattened,
+            in rank order.
+
+        Raises:
+            ValueError: `inputs` differ from the constructor's in structure, dtype or shape after
+                the first axis.
+        """
         _check_like_template("TensorAllgatherer.allgather", self._template, inputs, first_axis_may_vary=True)
         return tf.nest.map_structure(_flattened, allgather(inputs))
 

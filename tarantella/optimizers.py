@@ -9,6 +9,11 @@ serial gradient, also when micro-batches differ in size (an uneven last batch). 
 summed over the micro-batch ("sum") the serial gradient is the plain sum of the g_r.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
 import keras
 import tensorflow as tf
 
@@ -17,6 +22,8 @@ from tarantella.backends import fusion
 from tarantella.backends.tensorflow import gradients
 from tarantella.common import config
 from tarantella.runtime import world
+
+__all__ = ["Optimizer", "allreduce_gradients"]
 
 _LOSS_REDUCTIONS = ("mean", "sum")
 
@@ -30,18 +37,34 @@ def _refuse_where_the_backend_lacks_custom_training_loops():
                 "backend for custom training loops.")
 
 
-def allreduce_gradients(grads, num_samples=None, loss_reduction="mean", variables=None):
+def allreduce_gradients(grads: Sequence[tf.Tensor | None], num_samples: int | tf.Tensor | None = None,
+                        loss_reduction: Literal["mean", "sum"] = "mean",
+                        variables: Sequence[tf.Variable | keras.Variable] | None = None) -> list[tf.Tensor | None]:
     """Returns the gradients of the global batch's loss from this rank's `grads`, on every rank.
 
-    `grads` is a list aligned with the variables (None entries stay None). `num_samples` is
-    the number of samples this rank's loss was computed on (its micro-batch size, e.g.
-    `tf.shape(x)[0]`). With `loss_reduction="mean"`, each rank's gradient is weighted by
-    its share of the global batch; without `num_samples` all ranks weigh alike, which is
-    exact only when every micro-batch has the same size. With `loss_reduction="sum"` the
-    gradients are summed; `num_samples` only serves to ignore ranks with no samples.
-    A rank with `num_samples=0` contributes exactly zero, even if its gradient is NaN.
-    `variables` (aligned with `grads`) gives each gradient its variable's shape, for
-    gradients whose static shape TensorFlow left partly unknown (Dense on 3-D inputs).
+    With `loss_reduction="mean"`, each rank's gradient is weighted by its share of the global
+    batch; without `num_samples` all ranks weigh alike, which is exact only when every
+    micro-batch has the same size. With `loss_reduction="sum"` the gradients are summed;
+    `num_samples` only serves to ignore ranks with no samples. A rank with `num_samples=0`
+    contributes exactly zero, even if its gradient is NaN.
+
+    Args:
+        grads: this rank's gradients, a list aligned with the variables (None entries stay None).
+        num_samples: the number of samples this rank's loss was computed on (its micro-batch
+            size, e.g. `tf.shape(x)[0]`).
+        loss_reduction: `"mean"` for a loss averaged over the micro-batch (Keras' default),
+            `"sum"` for a loss summed over it.
+        variables: the variables, aligned with `grads`: they give each gradient its variable's
+            shape, for gradients whose static shape TensorFlow left partly unknown (Dense on
+            3-D inputs).
+
+    Returns:
+        The gradients of the global batch, aligned with `grads`, the same on every rank.
+
+    Raises:
+        ValueError: `loss_reduction` is neither "mean" nor "sum".
+        NotImplementedError: on the JAX and PyTorch backends (sum gradients with
+            `tnt.allreduce` there).
     """
     _refuse_where_the_backend_lacks_custom_training_loops()
     if loss_reduction not in _LOSS_REDUCTIONS:
@@ -104,9 +127,12 @@ class Optimizer:
     Raises:
         NotImplementedError: on the JAX and PyTorch backends (sum gradients with
             `tnt.allreduce` there).
+        TypeError: `optimizer` is a tnt.optimizers.Optimizer already.
+        ValueError: `loss_reduction` is neither "mean" nor "sum".
     """
 
-    def __init__(self, optimizer, loss_reduction="mean"):
+    def __init__(self, optimizer: keras.optimizers.Optimizer | str | dict[str, Any],
+                 loss_reduction: Literal["mean", "sum"] = "mean") -> None:
         _refuse_where_the_backend_lacks_custom_training_loops()
         if isinstance(optimizer, Optimizer):
             raise TypeError("This optimizer is already a tnt.optimizers.Optimizer; wrap the Keras optimizer once.")
@@ -117,11 +143,13 @@ class Optimizer:
         object.__setattr__(self, "_loss_reduction", loss_reduction)
 
     @property
-    def optimizer(self):
+    def optimizer(self) -> keras.optimizers.Optimizer:
         """The wrapped Keras optimizer."""
         return self._optimizer
 
-    def apply(self, grads, trainable_variables=None, num_samples=None):
+    def apply(self, grads: Sequence[tf.Tensor | None],
+              trainable_variables: Sequence[tf.Variable | keras.Variable] | None = None,
+              num_samples: int | tf.Tensor | None = None) -> None:
         """Combines the ranks' gradients, then applies the wrapped optimizer's update.
 
         Args:
@@ -134,14 +162,23 @@ class Optimizer:
         combined = allreduce_gradients(list(grads), num_samples, self._loss_reduction, variables)
         return self._optimizer.apply(combined, trainable_variables)
 
-    def apply_gradients(self, grads_and_vars, num_samples=None):
-        """`apply` for (gradient, variable) pairs, as `keras.optimizers.Optimizer.apply_gradients`."""
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[tf.Tensor | None, tf.Variable | keras.Variable]],
+                        num_samples: int | tf.Tensor | None = None) -> keras.Variable:
+        """`apply` for (gradient, variable) pairs, as `keras.optimizers.Optimizer.apply_gradients`.
+
+        Args:
+            grads_and_vars: (gradient, variable) pairs of this rank.
+            num_samples: the number of samples this rank's loss averages over, as in `apply`.
+
+        Returns:
+            keras.Variable: the wrapped optimizer's `iterations`, the number of updates so far.
+        """
         grads, variables = zip(*grads_and_vars)
         combined = allreduce_gradients(list(grads), num_samples, self._loss_reduction, list(variables))
         return self._optimizer.apply_gradients(zip(combined, variables))
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._optimizer, name)
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._optimizer, name, value)  # e.g. optimizer.learning_rate = 0.01

@@ -1,20 +1,31 @@
 """Making this process a rank: MPI started, its devices chosen, the timeline on where asked for."""
 
+from __future__ import annotations
+
 from tarantella import backends, timeline
 from tarantella.backends import devices
 from tarantella.common import config
 from tarantella.runtime import world
+from tarantella.runtime.communicator import Communicator
+
+__all__ = ["init"]
 
 _set_up = False
 
 
-def init():
+def init() -> Communicator:
     """Starts MPI and makes this process one rank of the job (or the only one).
 
     `import tarantella` calls it; calling it again returns the same communicator.
 
     Returns:
         the rank's communicator (`rank` and `size` attributes).
+
+    Raises:
+        ImportError: the process was started as a rank of a parallel job, but no MPI is installed.
+        RuntimeError: the MPI launcher and the MPI library do not fit, so that every rank would
+            become a job of its own.
+        ValueError: a `TNT_*` setting of the environment is invalid.
     """
     global _set_up
     communicator = world.init()

@@ -12,6 +12,8 @@ its own rows: the global batch is never built. Where the samples come from files
 reads only its own records (`file_records.py`).
 """
 
+from __future__ import annotations
+
 import logging
 
 import tensorflow as tf
@@ -22,6 +24,9 @@ from tarantella.data.rebuild import (BATCHES, FILE_READERS, INTERLEAVES, MAPS, R
                                      draws_random_numbers, node_name, nodes_below, reuse, static_value, with_seeds)
 from tarantella.runtime import world
 
+# What the package publishes of this module (as tnt.data.distribute); its other functions serve the package.
+__all__ = ["distribute"]
+
 logger = logging.getLogger("tarantella")
 
 
@@ -30,7 +35,7 @@ def micro_batch_size(global_batch_size, rank, size):
     return global_batch_size // size + (1 if rank < global_batch_size % size else 0)
 
 
-def distribute(dataset, rank=None, size=None):
+def distribute(dataset: tf.data.Dataset, rank: int | None = None, size: int | None = None) -> tf.data.Dataset:
     """Returns the dataset of rank `rank` (default: this process's): its micro-batches, one per global batch.
 
     Rank r of p gets rows r, r + p, r + 2p, ... of each global batch, as `tnt.Model.fit` does, and
@@ -39,7 +44,8 @@ def distribute(dataset, rank=None, size=None):
 
     Args:
         dataset: a `tf.data.Dataset` batched with the global batch size.
-        rank, size: the rank and number of ranks to split for (default: this job's).
+        rank: the rank to split for (default: this process's); given with `size`.
+        size: the number of ranks to split for (default: this job's); given with `rank`.
 
     Returns:
         tf.data.Dataset: this rank's micro-batches.

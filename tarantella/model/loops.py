@@ -1,7 +1,13 @@
 """fit, evaluate and predict of tnt.Model, and their one-batch forms: the user's call with its input
 split, its callbacks chosen for the rank, its backups and epoch orders, then Keras' own loop."""
 
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Union
+
 import keras
+import numpy as np
 import tensorflow as tf
 # Keras' validation_split, for arrays tarantella shuffles itself; tests/test_keras_internals.py checks it.
 from keras.src.trainers.data_adapters import array_slicing
@@ -17,19 +23,32 @@ from tarantella.runtime import events
 # (`history_returned(history)`).
 FIT_CALLBACKS = []
 
+# The types of the annotations. What fit, evaluate and predict take as inputs (as Keras does): arrays
+# and tensors, a tf.data.Dataset, a keras.utils.PyDataset, a dict or list of arrays, or another
+# iterable Keras' adapters take (a generator, a torch DataLoader).
+InputData = Union[np.ndarray, tf.Tensor, tf.data.Dataset, keras.utils.PyDataset, Mapping[str, Any], Iterable[Any]]
+# What evaluate and the one-batch methods return: the loss alone, the loss and the metrics, or a dict of them.
+Scores = Union[float, list[float], dict[str, float]]
+# What predict returns: the model's outputs as NumPy arrays, in the structure of the model's outputs.
+Predictions = Union[np.ndarray, list[np.ndarray], tuple[np.ndarray, ...], dict[str, np.ndarray]]
+
 
 class Loops:
     """The part of tnt.Model that runs the user's fit, evaluate and predict (a mixin of `Model`)."""
 
-    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
-            sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
-            validation_batch_size=None, validation_freq=1, tnt_micro_batch_size=None,
-            tnt_validation_micro_batch_size=None, tnt_distribute_dataset=True,
-            tnt_distribute_validation_dataset=True):
+    def fit(self, x: InputData | None = None, y: InputData | None = None, batch_size: int | None = None,
+            epochs: int = 1, verbose: str | int = "auto", callbacks: Sequence[keras.callbacks.Callback] | None = None,
+            validation_split: float = 0.0, validation_data: InputData | None = None, shuffle: bool | str = True,
+            class_weight: dict[int, float] | None = None, sample_weight: np.ndarray | tf.Tensor | None = None,
+            initial_epoch: int = 0, steps_per_epoch: int | None = None, validation_steps: int | None = None,
+            validation_batch_size: int | None = None, validation_freq: int = 1,
+            tnt_micro_batch_size: int | None = None, tnt_validation_micro_batch_size: int | None = None,
+            tnt_distribute_dataset: bool = True, tnt_distribute_validation_dataset: bool = True,
+            ) -> keras.callbacks.History:
         """Keras' fit, with global batches: every rank trains on its rows of each batch.
 
-        Takes Keras' arguments; `batch_size` and the batches of a dataset are global. Besides:
+        Takes Keras' arguments (see `keras.Model.fit`); `batch_size` and the batches of a dataset
+        are global. Besides:
 
         Args:
             tnt_micro_batch_size: the batch per rank: an unbatched dataset is batched with
@@ -41,6 +60,11 @@ class Loops:
 
         Returns:
             keras.callbacks.History: the global logs, equal on every rank.
+
+        Raises:
+            RuntimeError: the model is not compiled.
+            ValueError: `validation_split` with inputs other than arrays, or inputs that do not
+                fit the batch sizes.
         """
         self._check_compiled("fit")
         epoch_order = EpochOrder(initial_epoch)
@@ -135,12 +159,26 @@ class Loops:
         events.fit_ended(self._comm)
         return history
 
-    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
-                 callbacks=None, return_dict=False, tnt_micro_batch_size=None, tnt_distribute_dataset=True,
-                 **kwargs):
+    def evaluate(self, x: InputData | None = None, y: InputData | None = None, batch_size: int | None = None,
+                 verbose: str | int = "auto", sample_weight: np.ndarray | tf.Tensor | None = None,
+                 steps: int | None = None, callbacks: Sequence[keras.callbacks.Callback] | None = None,
+                 return_dict: bool = False, tnt_micro_batch_size: int | None = None,
+                 tnt_distribute_dataset: bool = True, **kwargs: Any) -> Scores:
         """Keras' evaluate, with global batches; every rank returns the global loss and metrics.
 
-        `tnt_micro_batch_size` and `tnt_distribute_dataset` work as in `fit`.
+        Takes Keras' arguments (see `keras.Model.evaluate`); `batch_size` and the batches of a
+        dataset are global. Besides:
+
+        Args:
+            tnt_micro_batch_size: the batch per rank, as in `fit`.
+            tnt_distribute_dataset: False: each rank passes its own part of the data, as in `fit`.
+
+        Returns:
+            float or list or dict: the global loss (and metrics), as Keras returns them; a dict with
+            `return_dict=True`.
+
+        Raises:
+            RuntimeError: the model is not compiled.
         """
         if kwargs.get("_use_cached_eval_dataset"):  # validation inside fit: already distributed
             self._use_masters_statistics()
@@ -180,10 +218,22 @@ class Loops:
             return super().evaluate(x, verbose=self._verbosity(verbose), steps=steps, callbacks=callbacks,
                                     return_dict=return_dict, **keras_arguments, **kwargs)
 
-    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None,
-                tnt_micro_batch_size=None):
+    def predict(self, x: InputData, batch_size: int | None = None, verbose: str | int = "auto",
+                steps: int | None = None, callbacks: Sequence[keras.callbacks.Callback] | None = None,
+                tnt_micro_batch_size: int | None = None) -> Predictions:
         """Keras' predict, with global batches: every rank gets every prediction, in the order
-        of the input samples. `tnt_micro_batch_size` works as in `fit`."""
+        of the input samples.
+
+        Takes Keras' arguments (see `keras.Model.predict`); `batch_size` and the batches of a
+        dataset are global. Besides:
+
+        Args:
+            tnt_micro_batch_size: the batch per rank, as in `fit`.
+
+        Returns:
+            np.ndarray: the predictions of all samples (a list or dict of arrays for a model with
+            several outputs), the same on every rank.
+        """
         if keras_batches.is_batched_by_keras(x):
             batch_size = keras_batches.keras_batch_size("predict", x, batch_size, tnt_micro_batch_size, self._comm.size)
             if self._distributed:
@@ -205,22 +255,61 @@ class Loops:
             return super().predict(x, batch_size=batch_size, verbose=self._verbosity(verbose), steps=steps,
                                    callbacks=callbacks)
 
-    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
-        """Every rank passes the same global batch; each trains on its rows of it."""
+    def train_on_batch(self, x: InputData, y: InputData | None = None,
+                       sample_weight: np.ndarray | tf.Tensor | None = None,
+                       class_weight: dict[int, float] | None = None, return_dict: bool = False) -> Scores:
+        """Every rank passes the same global batch; each trains on its rows of it.
+
+        Args:
+            x: the inputs of the global batch.
+            y: the targets of the global batch.
+            sample_weight: one weight per sample of the global batch.
+            class_weight: a weight per class index, for the loss.
+            return_dict: True returns the loss and metrics as a dict.
+
+        Returns:
+            float or list or dict: the global loss (and metrics) after the update.
+
+        Raises:
+            RuntimeError: the model is not compiled.
+        """
         self._check_compiled("train_on_batch")
         x, y, sample_weight = self._rows_of_batch(x, y, sample_weight, "train")
         return super().train_on_batch(x, y, sample_weight=sample_weight, class_weight=class_weight,
                                       return_dict=return_dict)
 
-    def test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
+    def test_on_batch(self, x: InputData, y: InputData | None = None,
+                      sample_weight: np.ndarray | tf.Tensor | None = None, return_dict: bool = False) -> Scores:
+        """Every rank passes the same global batch; each tests on its rows of it.
+
+        Args:
+            x: the inputs of the global batch.
+            y: the targets of the global batch.
+            sample_weight: one weight per sample of the global batch.
+            return_dict: True returns the loss and metrics as a dict.
+
+        Returns:
+            float or list or dict: the global loss (and metrics) of the batch.
+
+        Raises:
+            RuntimeError: the model is not compiled.
+        """
         self._check_compiled("test_on_batch")
         x, y, sample_weight = self._rows_of_batch(x, y, sample_weight, "test")
         if self._distributed:
             self._use_masters_statistics()
         return super().test_on_batch(x, y, sample_weight=sample_weight, return_dict=return_dict)
 
-    def predict_on_batch(self, x):
-        """Every rank gets the predictions of the whole batch."""
+    def predict_on_batch(self, x: InputData) -> Predictions:
+        """Every rank gets the predictions of the whole batch.
+
+        Args:
+            x: the inputs of the global batch, the same on every rank.
+
+        Returns:
+            np.ndarray: the predictions of the whole batch (a list or dict of arrays for a model
+            with several outputs).
+        """
         x, _, _ = self._rows_of_batch(x, None, None, "predict")
         if self._distributed:
             self._use_masters_statistics()

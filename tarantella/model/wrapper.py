@@ -8,10 +8,15 @@ weights before the first step, and saves through saving.py. Everything else a Ke
 reads answers as the wrapped model does. With one rank, every method is plain Keras.
 """
 
+from __future__ import annotations
+
 import contextlib
 import copy
 import enum
 import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import keras
 import numpy as np
@@ -24,6 +29,8 @@ from tarantella.model import checks
 from tarantella.model.inputs import BatchSources, Inputs
 from tarantella.model.loops import Loops
 from tarantella.runtime import events, world
+
+__all__ = ["Model", "ParallelStrategy", "Sequential"]
 
 logger = logging.getLogger("tarantella")
 
@@ -66,12 +73,15 @@ class Model(Loops, Inputs, keras.Model):
             on any number of ranks. (On one rank the layers stay as they are.)
 
     Raises:
-        TypeError: `model` is not a `keras.Model`, or is a tnt.Model already.
+        TypeError: `model` is not a `keras.Model`, or is a tnt.Model already, or
+            `synchronized_batch_normalization` is not a bool.
+        ValueError: `parallel_strategy` is not `tnt.ParallelStrategy.DATA`.
         NotImplementedError: the model overrides `train_step` or `test_step` on the JAX or
             PyTorch backend.
     """
 
-    def __init__(self, model, parallel_strategy=ParallelStrategy.DATA, synchronized_batch_normalization=False):
+    def __init__(self, model: keras.Model, parallel_strategy: ParallelStrategy = ParallelStrategy.DATA,
+                 synchronized_batch_normalization: bool = False) -> None:
         if isinstance(model, Model):
             raise TypeError("This model is already a tnt.Model; wrap the plain Keras model once.")
         if not isinstance(model, keras.Model):
@@ -110,18 +120,18 @@ class Model(Loops, Inputs, keras.Model):
     # -- the wrapped model -------------------------------------------------------
 
     @property
-    def model(self):
+    def model(self) -> keras.Model:
         """The wrapped Keras model, as in the original Tarantella."""
         return self._keras_model
 
-    def __getattribute__(self, name):
+    def __getattribute__(self, name: str) -> Any:
         if name in _READ_FROM_WRAPPED:
             wrapped = object.__getattribute__(self, "__dict__").get("_keras_model")
             if wrapped is not None:
                 return getattr(wrapped, name)
         return object.__getattribute__(self, name)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         # Reached only when normal lookup fails: public attributes come from the wrapped model
         # (a GAN's generator, a custom model's own trackers and methods).
         wrapped = self.__dict__.get("_keras_model")
@@ -129,19 +139,36 @@ class Model(Loops, Inputs, keras.Model):
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
         return getattr(wrapped, name)
 
-    def build(self, input_shape=None):
+    def build(self, input_shape: tuple[int | None, ...] | list[Any] | dict[str, Any] | None = None) -> None:
         self.built = True  # the wrapped model builds itself on its first call
 
-    def call(self, *args, **kwargs):
+    def call(self, *args: Any, **kwargs: Any) -> Any:
         return self._keras_model(*args, **kwargs)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
+        """The wrapped model's config, from which `from_config` makes a new tnt.Model.
+
+        Returns:
+            dict: the wrapped Keras model's `get_config()`.
+        """
         return self._keras_model.get_config()
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(cls, config: dict[str, Any], custom_objects: dict[str, Any] | None = None) -> Model:
         """A new tnt.Model from `get_config()` (of a tnt.Model or a Keras model), or from a
-        serialized model (`keras.saving.serialize_keras_object`); weights are new."""
+        serialized model (`keras.saving.serialize_keras_object`); weights are new.
+
+        Args:
+            config: the `get_config()` of a functional or Sequential model, or a serialized model.
+            custom_objects: the user's classes and functions the model needs, by name.
+
+        Returns:
+            tarantella.Model: the new model.
+
+        Raises:
+            ValueError: `config` describes neither a functional nor a Sequential model, nor names
+                the class of the model.
+        """
         config = copy.deepcopy(config)  # Keras consumes the config while it rebuilds the model
         if "class_name" in config:
             keras_model = keras.saving.deserialize_keras_object(config, custom_objects=custom_objects)
@@ -156,28 +183,57 @@ class Model(Loops, Inputs, keras.Model):
                 "keras.saving.serialize_keras_object(model), which names the class.")
         return cls(keras_model)
 
-    def summary(self, *args, **kwargs):
-        """Keras' summary, printed on the master only (on every rank with TNT_OUTPUT_ON_ALL_DEVICES)."""
+    def summary(self, *args: Any, **kwargs: Any) -> None:
+        """Keras' summary, printed on the master only (on every rank with TNT_OUTPUT_ON_ALL_DEVICES).
+
+        Args:
+            *args: `keras.Model.summary`'s positional arguments.
+            **kwargs: `keras.Model.summary`'s keyword arguments (`line_length`, `print_fn`, ...).
+        """
         if self._comm.rank == world.MASTER_RANK or config.output_on_all_devices():
             self._keras_model.summary(*args, **kwargs)
 
-    def set_weights(self, weights):
-        """Sets the weights; the master's values reach every rank before the next step."""
+    def set_weights(self, weights: Sequence[np.ndarray]) -> None:
+        """Sets the weights; the master's values reach every rank before the next step.
+
+        Args:
+            weights: one array per weight, in the order of `get_weights()`.
+        """
         self._keras_model.set_weights(weights)
         self._weights_synced = False  # the master's values go out before the next step
 
     # -- saving and loading (see saving.py) -------------------------------------------
 
-    def save(self, filepath, overwrite=True, tnt_save_all_devices=False, **kwargs):
+    def save(self, filepath: str | os.PathLike, overwrite: bool = True, tnt_save_all_devices: bool = False,
+             **kwargs: Any) -> None:
         """Saves the wrapped Keras model, with the optimizer state once compiled; the master writes,
-        and every rank returns once the file is complete. `tnt_save_all_devices=True` makes every
-        rank write, for file systems that the ranks do not share."""
+        and every rank returns once the file is complete. Call it on every rank.
+
+        Args:
+            filepath: where to write the `.keras` file.
+            overwrite: False refuses to replace an existing file.
+            tnt_save_all_devices: True makes every rank write, for file systems that the ranks do
+                not share.
+            **kwargs: passed on to `keras.Model.save`.
+
+        Raises:
+            ValueError: `filepath` is a remote URL.
+            FileExistsError: `overwrite=False` and the file exists.
+        """
         saving.write_whole(filepath, lambda partial: self._keras_model.save(partial, **kwargs),
                            overwrite, tnt_save_all_devices)
 
-    def save_weights(self, filepath, overwrite=True, tnt_save_all_devices=False, max_shard_size=None):
+    def save_weights(self, filepath: str | os.PathLike, overwrite: bool = True, tnt_save_all_devices: bool = False,
+                     max_shard_size: int | float | None = None) -> None:
         """Saves the weights (and the optimizer state once compiled); the master writes, and every
-        rank returns once the file is complete. `tnt_save_all_devices=True` makes every rank write.
+        rank returns once the file is complete. Call it on every rank.
+
+        Args:
+            filepath: where to write the `.weights.h5` file.
+            overwrite: False refuses to replace an existing file.
+            tnt_save_all_devices: True makes every rank write, for file systems that the ranks do
+                not share.
+            max_shard_size: must stay None: tarantella writes one file.
 
         Raises:
             ValueError: `max_shard_size` is given (sharded files cannot be written whole).
@@ -188,8 +244,14 @@ class Model(Loops, Inputs, keras.Model):
                              "sharded saving (max_shard_size=) is not supported. Leave max_shard_size unset.")
         saving.write_whole(filepath, self._keras_model.save_weights, overwrite, tnt_save_all_devices)
 
-    def load_weights(self, filepath, skip_mismatch=False, **kwargs):
-        """Every rank reads the file (it must be visible to all); once compiled, the optimizer state too."""
+    def load_weights(self, filepath: str | os.PathLike, skip_mismatch: bool = False, **kwargs: Any) -> None:
+        """Every rank reads the file (it must be visible to all); once compiled, the optimizer state too.
+
+        Args:
+            filepath: the saved weights.
+            skip_mismatch: True skips weights whose shape differs from the model's.
+            **kwargs: passed on to `keras.Model.load_weights`.
+        """
         optimizer = getattr(self._keras_model, "optimizer", None)  # an uncompiled Keras model has none
         if self.compiled and self.built and optimizer is not None and not optimizer.built:
             optimizer.build(self.trainable_variables)  # else the saved optimizer state is skipped
@@ -198,9 +260,19 @@ class Model(Loops, Inputs, keras.Model):
 
     # -- compile, fit, evaluate, predict -----------------------------------------------
 
-    def compile(self, *args, jit_compile="auto", **kwargs):
+    def compile(self, *args: Any, jit_compile: bool | str = "auto", **kwargs: Any) -> None:
         """Compiles the wrapped model with the user's arguments (its own compile signature, if it
-        has one); the wrapper shares its optimizer. Saved files are then complete Keras files."""
+        has one); the wrapper shares its optimizer. Saved files are then complete Keras files.
+
+        Args:
+            *args: the wrapped model's compile arguments (`optimizer`, `loss`, `metrics`, ...).
+            jit_compile: as in Keras; with 2 or more ranks on TensorFlow the step runs without XLA,
+                which cannot compile the host-side gradient allreduce.
+            **kwargs: the wrapped model's compile arguments, by name.
+
+        Raises:
+            ValueError: the optimizer is Ftrl, which tarantella does not support.
+        """
         if self._host_allreduce_outside_xla and jit_compile not in ("auto", False, None):
             logger.warning("jit_compile=True is ignored with %d ranks: XLA cannot compile the host-side "
                            "gradient allreduce, so the step runs without XLA.", self._comm.size)
@@ -221,13 +293,13 @@ class Model(Loops, Inputs, keras.Model):
 
     # -- the steps: the wrapped model's own, made global by the backend's Step ---------------
 
-    def make_train_function(self, force=False):
+    def make_train_function(self, force: bool = False) -> Callable[..., Any]:
         return self._made("train", force, super().make_train_function, "training step")
 
-    def make_test_function(self, force=False):
+    def make_test_function(self, force: bool = False) -> Callable[..., Any]:
         return self._made("test", force, super().make_test_function, "test step")
 
-    def make_predict_function(self, force=False):
+    def make_predict_function(self, force: bool = False) -> Callable[..., Any]:
         return self._made("predict", force, super().make_predict_function, None)
 
     def _made(self, kind, force, make, timed_as):
@@ -242,17 +314,17 @@ class Model(Loops, Inputs, keras.Model):
         return getattr(self, attribute)
 
     # The arguments are the backend trainer's: (data) on TensorFlow and torch, (state, data) on JAX.
-    def train_step(self, *step_arguments):
+    def train_step(self, *step_arguments: Any) -> Any:
         if not self._distributed:
             return self._keras_model.train_step(*step_arguments)
         return self._step.train(*self._sources.rows_of_rank("train", step_arguments, self._comm))
 
-    def test_step(self, *step_arguments):
+    def test_step(self, *step_arguments: Any) -> Any:
         if not self._distributed:
             return self._keras_model.test_step(*step_arguments)
         return self._step.test(*self._sources.rows_of_rank("test", step_arguments, self._comm))
 
-    def predict_step(self, *step_arguments):
+    def predict_step(self, *step_arguments: Any) -> Any:
         if not self._distributed:
             return self._keras_model.predict_step(*step_arguments)
         return self._step.predict(*self._sources.rows_of_rank("predict", step_arguments, self._comm))
@@ -277,7 +349,7 @@ class Model(Loops, Inputs, keras.Model):
         ) if wanted else None
         self.train_function = self.test_function = None  # retraced with or without the local copy
 
-    def reset_metrics(self):
+    def reset_metrics(self) -> None:
         super().reset_metrics()
         self._local_epoch_logs = None  # fit resets at each epoch; validation sets it after its reset
         for variable, shadow in self._step.local_metric_state or ():
@@ -321,15 +393,34 @@ class Model(Loops, Inputs, keras.Model):
 
 class Sequential(Model):
     """A tnt.Model around a keras.Sequential: `tnt.Sequential(layers)` is
-    `tnt.Model(keras.Sequential(layers))`; `add` and `pop` are keras.Sequential's."""
+    `tnt.Model(keras.Sequential(layers))`; `add` and `pop` are keras.Sequential's.
 
-    def __init__(self, layers=None, name=None, trainable=True, synchronized_batch_normalization=False):
+    Args:
+        layers: the model's layers, as for `keras.Sequential`.
+        name: the model's name.
+        trainable: False freezes the model's weights.
+        synchronized_batch_normalization: as for `tnt.Model`.
+    """
+
+    def __init__(self, layers: Sequence[keras.layers.Layer] | None = None, name: str | None = None,
+                 trainable: bool = True, synchronized_batch_normalization: bool = False) -> None:
         super().__init__(keras.Sequential(layers, trainable=trainable, name=name),
                          synchronized_batch_normalization=synchronized_batch_normalization)
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
-        """A new tnt.Sequential from the `get_config()` of a Sequential model; weights are new."""
+    def from_config(cls, config: dict[str, Any], custom_objects: dict[str, Any] | None = None) -> Sequential:
+        """A new tnt.Sequential from the `get_config()` of a Sequential model; weights are new.
+
+        Args:
+            config: the `get_config()` of a Sequential model.
+            custom_objects: the user's classes and functions the model needs, by name.
+
+        Returns:
+            tarantella.Sequential: the new model.
+
+        Raises:
+            ValueError: `config` is not the config of a Sequential model.
+        """
         if "layers" not in config or "input_layers" in config:
             raise ValueError("tnt.Sequential.from_config takes the config of a Sequential model; for a "
                              "functional or serialized model use tnt.Model.from_config.")

@@ -1,19 +1,28 @@
 """The errors of collectives, the first one this process met, and the words that name a call."""
 
+from __future__ import annotations
+
 import os
 import sys
 import threading
 
+__all__ = ["CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError", "RankFailedError", "RankLeftError"]
+
 
 class CollectiveError(RuntimeError):
     """The ranks could not complete a collective together.
+
+    Args:
+        message: what went wrong, for the user.
+        summary: one line for the `tarantella` command, or None.
+        culprit: the rank whose failure (or absence) caused this error, when it is another one.
 
     Attributes:
         summary: one line for the `tarantella` command, or None.
         culprit: the rank whose failure (or absence) caused this error, when it is another one.
     """
 
-    def __init__(self, message, summary=None, culprit=None):
+    def __init__(self, message: str, summary: str | None = None, culprit: int | None = None) -> None:
         super().__init__(message)
         self.summary = summary
         self.culprit = culprit

@@ -1,6 +1,8 @@
 """The world of this process: MPI started (or a serial stand-in), the communicator every collective
 runs on, the gradient reducer, this rank's share of its node, and the rank queries."""
 
+from __future__ import annotations
+
 import atexit
 import logging
 import os
@@ -13,6 +15,9 @@ from tarantella.runtime.errors import collective_failure_behind
 from tarantella.runtime.node import NodeShare, bind_to_own_cores
 from tarantella.runtime.reducer import Reducer, SumOverRanks
 from tarantella.runtime.serial import SerialMPI
+
+# What the package publishes of this module (as tnt.get_rank, ...); its other functions serve the package.
+__all__ = ["get_master_rank", "get_rank", "get_size", "is_master_rank"]
 
 logger = logging.getLogger("tarantella")
 
@@ -42,10 +47,18 @@ def node_share():
     return _node_share
 
 
-def init():
+def init() -> Communicator:
     """Starts MPI, configures this process as one rank and returns its communicator.
 
     Safe to call again: later calls return the same communicator.
+
+    Returns:
+        the rank's communicator (`rank` and `size` attributes).
+
+    Raises:
+        ImportError: the process was started as a rank of a parallel job, but no MPI is installed.
+        RuntimeError: the MPI launcher and the MPI library do not fit (every rank a job of its own).
+        ValueError: a `TNT_*` setting of the environment is invalid.
     """
     global _world, _MPI, _reducer, _node_share
     if _world is not None:
@@ -155,7 +168,7 @@ def tell_other_ranks_this_one_failed(summary):
         _world.peers.announce_failure(summary)
 
 
-def get_rank():
+def get_rank() -> int:
     """This process's rank: 0 for the master, up to `get_size() - 1`.
 
     Returns:
@@ -164,7 +177,7 @@ def get_rank():
     return init().rank
 
 
-def get_size():
+def get_size() -> int:
     """The number of ranks in the job.
 
     Returns:
@@ -173,7 +186,7 @@ def get_size():
     return init().size
 
 
-def get_master_rank():
+def get_master_rank() -> int:
     """The master's rank, which writes files and prints Keras' output.
 
     Returns:
@@ -182,7 +195,7 @@ def get_master_rank():
     return MASTER_RANK
 
 
-def is_master_rank():
+def is_master_rank() -> bool:
     """Whether this process is the master (rank 0), e.g. to print something once.
 
     Returns:
