@@ -15,7 +15,8 @@ LAYERS = [
     ("common", ["tarantella.common"]),
     ("runtime", ["tarantella.runtime"]),
     ("collectives, backends and data", [
-        "tarantella.collectives", "tarantella.backends", "tarantella.data", "tarantella.optimizers"]),
+        "tarantella.collectives", "tarantella.collective_calls", "tarantella.backends", "tarantella.data",
+        "tarantella.optimizers"]),
     ("model", ["tarantella.model", "tarantella.models", "tarantella.callbacks", "tarantella.saving"]),
     ("resilience and observability", ["tarantella.backups", "tarantella.timeline", "tarantella.timeline_picture"]),
     # The package and rank.py, which puts the layers together when tarantella is imported.
