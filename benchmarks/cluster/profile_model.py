@@ -1,0 +1,112 @@
+"""Profile models: a measured profile's layer structure and weight sizes, with each layer's
+forward and backward compute replaced by waiting for its measured time.
+
+A profile (benchmarks/profiles/*.json, made by `emulated_cluster.py profile`) lists the real
+model's layers in forward order with their trainable weight shapes and measured times. Layers
+without weights are merged into the nearest earlier layer with weights (their backward time
+comes before that layer's in backprop, so its gradients are ready just as late as in the real
+model). Each merged stage is one Keras layer holding one 1-D weight per real weight, of the real
+size divided by the byte scale (at least one element); its forward waits for the stage's forward
+time, its backward for its backward time and then yields its weights' gradients (computed from
+the incoming gradient, never constants), so the gradients appear in backprop order at the times
+the real model would produce them, and tarantella's buckets, worker, ring and MPI do the rest.
+The waiting is a sleep: it takes no CPU, so 16 ranks fit on 2 cores.
+
+The stage's activations are a (batch, 4) float32 tensor: what travels between ranks is gradients only.
+"""
+
+import json
+import math
+import os
+
+WIDTH = 4
+
+
+def load(path_or_name):
+    path = path_or_name
+    if not os.path.exists(path):
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles",
+                            f"{path_or_name}.cpu.json")
+    with open(path) as file:
+        return json.load(file)
+
+
+def stages(profile):
+    """[(name, [weight element counts], forward_s, backward_s)] with weightless layers merged into the
+    nearest earlier stage (those before the first weighted layer into the first)."""
+    merged, pending_forward, pending_backward = [], 0.0, 0.0
+    for layer in profile["layers"]:
+        sizes = [math.prod(shape) for shape in layer["weights"]]
+        if sizes:
+            merged.append([layer["name"], sizes, layer["forward_s"] + pending_forward,
+                           layer["backward_s"] + pending_backward])
+            pending_forward = pending_backward = 0.0
+        elif merged:
+            merged[-1][2] += layer["forward_s"]
+            merged[-1][3] += layer["backward_s"]
+        else:
+            pending_forward += layer["forward_s"]
+            pending_backward += layer["backward_s"]
+    if merged:
+        merged[-1][2] += pending_forward
+        merged[-1][3] += pending_backward
+    return [tuple(stage) for stage in merged]
+
+
+def scaled_sizes(sizes, scale):
+    return [max(1, round(size / scale)) for size in sizes]
+
+
+def build_tensorflow(profile, scale, time_factor=1.0):
+    """The profile model on Keras' TensorFlow backend."""
+    import functools
+    import time
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    def wait(seconds, array):
+        time.sleep(seconds)
+        return array
+
+    class Stage(keras.layers.Layer):
+        def __init__(self, sizes, forward_s, backward_s, **kwargs):
+            super().__init__(**kwargs)
+            self.sizes, self.forward_s, self.backward_s = sizes, forward_s, backward_s
+            self.parts = [self.add_weight(shape=(size,), initializer="zeros", name=f"w{index}")
+                          for index, size in enumerate(sizes)]
+
+        def call(self, x):
+            forward_s, backward_s = self.forward_s, self.backward_s
+
+            @tf.custom_gradient
+            def stage(x, *weights):
+                # Not stateful: TensorFlow would otherwise run every such op in program order, and
+                # the buckets' hand-overs (stateful) only after the whole backward pass.
+                y = tf.numpy_function(functools.partial(wait, forward_s), [x], tf.float32, stateful=False)
+                y.set_shape(x.shape)
+
+                def backward(dy):
+                    dx = tf.numpy_function(functools.partial(wait, backward_s), [dy], tf.float32,
+                                           stateful=False)
+                    dx.set_shape(dy.shape)
+                    g = tf.reduce_mean(dx) * 1e-6
+                    return [dx] + [tf.fill(tf.shape(w), g) for w in weights]
+                return y, backward
+
+            return stage(x, *[tf.identity(w.value) for w in self.parts])
+
+    inputs = keras.Input((WIDTH,))
+    x = inputs
+    for index, (name, sizes, forward_s, backward_s) in enumerate(stages(profile)):
+        x = Stage(scaled_sizes(sizes, scale), forward_s * time_factor, backward_s * time_factor,
+                  name=f"stage{index}")(x)
+    return keras.Model(inputs, x, name=profile["model"])
+
+
+def data(global_batch, steps=8):
+    import numpy as np
+    rng = np.random.default_rng(0)
+    return (rng.random((global_batch * steps, WIDTH), dtype=np.float32),
+            np.zeros((global_batch * steps, WIDTH), np.float32))

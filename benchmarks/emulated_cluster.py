@@ -1,0 +1,523 @@
+"""An emulated cluster: tarantella at 2 to 32 ranks over shaped links, on one machine.
+
+Each host is a network namespace on one bridge (R ranks per host, --ranks-per-host), reached
+by the mpich wheel's Hydra through an ssh stand-in; ranks on different hosts talk MPI over TCP
+through the host's veth, which `tc ... tbf` limits in both directions to the link profile's
+rate. The ranks train profile models (benchmarks/cluster/profile_model.py): the layer
+structure and weight sizes of ResNet-50, the Transformer (big), BERT-base and VGG-16, each
+layer's forward and backward compute replaced by a sleep of its measured time
+(benchmarks/profiles/*.cpu.json, measured on this machine's CPU by the `profile` command), so
+that 16-32 ranks fit on 2 cores while the gradients, tarantella's buckets, its worker thread,
+the fixed order, the ring and MPI are the real ones.
+
+Scaling: 2 cores cannot move 16 links' worth of 100 Gb/s. Every gradient's size, the fusion
+thresholds, the ring's 1 MiB cut-over and every link's rate are divided by the same byte scale
+(--scale, default 512), for every variant alike: the transfer time of each bucket is the
+nominal one, and the machine moves 1/scale of the bytes. What is not scaled is latency: the
+emulated links have the veth pair's, the bridge's and TCP's own latency (measured and printed:
+tens of microseconds per message, against 1-2 us on InfiniBand), and tarantella's per-bucket
+Python costs stay real. Both make the emulation pessimistic for many small buckets and large p.
+There is no netem on this kernel, so no delay is added; the projection uses the nominal latency.
+
+Variants, all in the same job and the same rounds (a round: every link profile, and on each
+every variant, one window of --steps timed steps each, the order reversed every other round):
+  tnt         tarantella as it is (fusion threshold 32 KiB, nominal)
+  tnt-mpi     TNT_ALLREDUCE=mpi (MPI_Allreduce for every bucket)
+  one-bucket  a fusion threshold above the model's size: one bucket, after backprop (no overlap)
+  fusion-KB   fusion threshold KB KiB (nominal); --thresholds picks two (default 1024, 8192)
+  compute     the gradient allreduce removed: the compute-only step, efficiency's numerator
+Per round: efficiency = compute step / step (same link, same round); step / limit, the limit
+being the variant's own schedule's: the compute-only step plus how far the last bucket's ready
+time plus its reduction on that link (measured latency, shaped rate) reaches past backprop.
+Medians over rounds with the interquartile range; a target is judged only when the whole IQR
+lies on one side of it (benchmarks/scaling.py's rules).
+
+Peers (Horovod, JAX's DataParallel, torch DDP) are not run by this command; see
+docs/benchmarks.md for why.
+
+Commands:
+  python benchmarks/emulated_cluster.py run [--models resnet50,transformer_big] [--ranks 2,4,8,16]
+      [--links ib,10gbe] [--repeats 5] [--steps 2] [--json FILE] [--plot FILE.png] [--timeline FILE]
+  python benchmarks/emulated_cluster.py links [--hosts 4]     the unshaped and shaped links' latency and rate
+  python benchmarks/emulated_cluster.py profile [--models ...] [--batch 1]   per-layer times on this CPU
+  python benchmarks/emulated_cluster.py project (--profile NAME|FILE | --trace TRACE.json --model-file M.keras)
+      [--ranks 96,256,1024] [--link ib | --latency-us A --gbit B] [--step-seconds S]
+  python benchmarks/emulated_cluster.py --compare FIRST.json SECOND.json
+Needs root and iproute2 (`ip`, `tc`) for run and links; profile and project run anywhere.
+"""
+
+import argparse
+import json
+import os
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "cluster"))
+sys.path.insert(0, HERE)
+
+import hosts as cluster_hosts  # noqa: E402
+import profile_model  # noqa: E402
+import step_model  # noqa: E402
+from scaling import AGREEMENT, MIN_ROUNDS_TO_JUDGE, summarize, verdict  # noqa: E402
+
+WORKER = os.path.join(HERE, "cluster", "worker.py")
+NETPROBE = os.path.join(HERE, "cluster", "netprobe.py")
+MODELS = ("resnet50", "transformer_big", "bert_base", "vgg16")
+DEFAULT_SCALE = 512
+DEFAULT_THRESHOLD_KB = 32
+DEFAULT_THRESHOLDS = (1024, 8192)
+START_TIMEOUT_S = 900
+WINDOW_TIMEOUT_S = 300
+# The issue's targets (IB profile, 16 ranks): efficiency, and the step against the own limit.
+EFFICIENCY_TARGET = 0.90
+LIMIT_TARGET = 1.05
+TARGET_MODELS = ("resnet50", "transformer_big")
+# Published figures set beside the projection: (ranks, speed-up or efficiency, what).
+PUBLISHED = [
+    ("resnet50", 96, 57 / 96, "tarantella 0.9 manual: ResNet-50 57x on 96 V100 GPUs (HPC-DA, 100 Gb/s IB)"),
+    ("resnet50", 256, 62 / 256, "tarantella 0.9 manual: ResNet-50 62x on 256 CPU processes (SuperMUC-NG, OmniPath)"),
+    ("transformer_big", 96, 34 / 96, "tarantella 0.9 manual: Transformer (big) 34x on 96 V100 GPUs"),
+    ("resnet50", 128, 0.90, "Horovod paper (Sergeev and Del Balso 2018): ~90% on 128-512 GPUs (ResNet-101, Inception V3)"),
+    ("vgg16", 128, 0.68, "Horovod paper: 68% for VGG-16"),
+    ("resnet50", 256, 0.90, "Goyal et al. 2017: ~90% from 8 to 256 GPUs, ResNet-50"),
+]
+
+
+def log(message):
+    print(message, file=sys.stderr, flush=True)
+
+
+# -- the job ------------------------------------------------------------------------------
+
+class JobFailed(RuntimeError):
+    pass
+
+
+class Job:
+    """The tarantella job of one model at p ranks over the emulated hosts, driven through FIFOs."""
+
+    def __init__(self, emulated, ranks, ranks_per_host, model, variants, scale, steps, control, extra_env=()):
+        self.control = control
+        self._go = []
+        for rank in range(ranks):
+            path = os.path.join(control, f"go-{rank}")
+            os.mkfifo(path)
+            self._go.append(os.open(path, os.O_RDWR))
+        results = os.path.join(control, "results")
+        os.mkfifo(results)
+        self._results = os.open(results, os.O_RDWR | os.O_NONBLOCK)
+        self._received = b""
+        self.log_path = os.path.join(control, "job.log")
+        hostfile = emulated.hostfile
+        command = [sys.executable, "-m", "tarantella.launcher", "--hostfile", hostfile, "--no-gpu",
+                   "-n", str(ranks), "--", WORKER, "--profile", model, "--scale", repr(scale),
+                   "--variants", ",".join(variants), "--steps", str(steps), "--control", control]
+        environment = {**os.environ, **emulated.mpi_environment(), **dict(extra_env),
+                       "TF_CPP_MIN_LOG_LEVEL": "3", "TNT_COLLECTIVE_TIMEOUT": "900", "TNT_STALL_WARNING": "600",
+                       "TNT_START_TIMEOUT": "600", "PYTHONPATH": os.pathsep.join(
+                           filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))}
+        if ranks_per_host > 1:  # the launcher places ranks per node from the hostfile's host count
+            command[command.index("-n") + 1] = str(ranks)
+        self.command = command
+        with open(self.log_path, "w") as output:
+            self._process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
+                                             start_new_session=True, env=environment)
+
+    def send(self, line):
+        for fifo in self._go:
+            os.write(fifo, f"{line}\n".encode())
+
+    def receive(self, timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._received:
+            if self._process.poll() is not None:
+                raise JobFailed(f"the job ended (exit status {self._process.returncode}).\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise JobFailed(f"no answer within {timeout_s} s.\n{self.tail()}")
+            if select.select([self._results], [], [], 0.5)[0]:
+                self._received += os.read(self._results, 1 << 16)
+        line, self._received = self._received.split(b"\n", 1)
+        return json.loads(line)
+
+    def finish(self, timeout_s=120):
+        self.send("end")
+        try:
+            self._process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stop(self):
+        if self._process.poll() is None:
+            os.killpg(self._process.pid, signal.SIGKILL)
+            self._process.wait()
+        for fd in self._go + [self._results]:
+            os.close(fd)
+
+    def tail(self):
+        with open(self.log_path, errors="replace") as output:
+            return output.read()[-4000:]
+
+
+def variant_labels(thresholds):
+    return ["tnt", "tnt-mpi", "one-bucket"] + [f"fusion-{kb:g}" for kb in thresholds] + ["compute"]
+
+
+def measure(model, ranks, ranks_per_host, links, labels, scale, repeats, steps, scratch, timeline=None):
+    """Every window of one model at `ranks` ranks: {link: {label: [window, ...]}}, the probes and the
+    job's facts."""
+    hosts_count = max(2, -(-ranks // ranks_per_host))
+    control = tempfile.mkdtemp(prefix=f"{model}-{ranks}-", dir=scratch)
+    started = time.monotonic()
+    with cluster_hosts.EmulatedHosts(hosts_count, control) as emulated:
+        if ranks_per_host > 1:
+            with open(emulated.hostfile, "w") as hostfile:  # R slots per host, as Hydra reads them
+                hostfile.write("".join(f"{a}\n" for a in emulated.addresses))
+        extra = [("TNT_TIMELINE", timeline)] if timeline else []
+        job = Job(emulated, ranks, ranks_per_host, model, labels, scale, steps, control, extra)
+        try:
+            ready = job.receive(START_TIMEOUT_S)
+            if ready["ranks"] != ranks:
+                raise JobFailed(f"the job runs {ready['ranks']} ranks, not {ranks}")
+            start_s = time.monotonic() - started
+            log(f"{model} at {ranks} ranks on {len(ready['hosts'])} hosts: ready after {start_s:.0f} s")
+            probes, windows = {}, {link: {label: [] for label in labels} for link in links}
+            for link in links:
+                emulated.shape(cluster_hosts.PROFILES[link].shaped_rate_bit(scale))
+                job.send("probe")
+                probes[link] = job.receive(WINDOW_TIMEOUT_S)
+            for repeat in range(repeats):
+                link_order = links if repeat % 2 == 0 else links[::-1]
+                for link in link_order:
+                    emulated.shape(cluster_hosts.PROFILES[link].shaped_rate_bit(scale))
+                    for label in (labels if repeat % 2 == 0 else labels[::-1]):
+                        job.send(f"window {label}")
+                        windows[link][label].append(job.receive(WINDOW_TIMEOUT_S))
+                log(f"[{model} p={ranks} round {repeat + 1}/{repeats}] " + "; ".join(
+                    f"{link}: " + " ".join(f"{label} {windows[link][label][-1]['median_step_seconds'] * 1e3:.0f}"
+                                           for label in labels) for link in links) + " ms")
+            job.finish()
+        finally:
+            job.stop()
+    return {"windows": windows, "probes": probes, "hosts": len(ready["hosts"]), "start_seconds": start_s,
+            "thresholds_kb": ready["thresholds_kb"], "seconds": time.monotonic() - started}
+
+
+# -- analysis -----------------------------------------------------------------------------
+
+def threshold_bytes_of(label, thresholds_kb, scale):
+    kb = thresholds_kb.get(label if label != "tnt-mpi" else "tnt", DEFAULT_THRESHOLD_KB)
+    return int(kb / scale * 1024)
+
+
+def link_parameters(probe, link, scale):
+    """(alpha for MPI's own algorithms, alpha per ring step, beta in bytes/s) as the emulated link has them."""
+    rate = cluster_hosts.PROFILES[link].shaped_rate_bit(scale) / 8
+    return probe["allreduce_8_bytes_s"], probe["sendrecv_s"], rate
+
+
+def analyze(model, ranks, measured, scale):
+    """Per link and variant: step, efficiency, limit, modelled step; per round where pairs are needed."""
+    profile = profile_model.load(model)
+    stages = profile_model.stages(profile)
+    out = {}
+    for link, by_label in measured["windows"].items():
+        alpha_mpi, alpha_ring, beta = link_parameters(measured["probes"][link], link, scale)
+        alpha_mpi /= max(1, step_model.log2_steps(ranks))
+        compute = [w["median_step_seconds"] for w in by_label["compute"]]
+        entry = {}
+        for label, windows in by_label.items():
+            steps = [w["median_step_seconds"] for w in windows]
+            row = {"step": summarize(steps), "per_round": steps}
+            if label != "compute":
+                compute_s, buckets = step_model.schedule(
+                    stages, threshold_bytes_of(label, measured["thresholds_kb"], scale), scale)
+                options = {"algorithm": "mpi" if label == "tnt-mpi" else "tarantella",
+                           "ring_min_bytes": step_model.RING_MIN_BYTES / scale, "ring_alpha": alpha_ring}
+                tails = [c - compute_s for c in compute]
+                limits = [step_model.limit_step(compute_s, buckets, ranks, alpha_mpi, beta, t, **options) for t in tails]
+                modelled = [step_model.predicted_step(compute_s, buckets, ranks, alpha_mpi, beta, t, **options)
+                            for t in tails]
+                row.update(
+                    buckets=len(buckets),
+                    efficiency=summarize([c / s for c, s in zip(compute, steps)]),
+                    efficiency_per_round=[c / s for c, s in zip(compute, steps)],
+                    limit=summarize(limits), limit_efficiency=summarize([c / l for c, l in zip(compute, limits)]),
+                    over_limit=summarize([s / l for s, l in zip(steps, limits)]),
+                    over_limit_per_round=[s / l for s, l in zip(steps, limits)],
+                    modelled=summarize(modelled),
+                    model_error=summarize([m / s - 1 for m, s in zip(modelled, steps)]))
+            entry[label] = row
+        out[link] = entry
+    return out
+
+
+def judge(results):
+    """The issue's targets on the IB profile at 16 ranks (or the largest p measured)."""
+    lines = []
+    for model, by_p in results.items():
+        if model not in TARGET_MODELS or "16" not in by_p or "ib" not in by_p["16"]["analysis"]:
+            continue
+        row = by_p["16"]["analysis"]["ib"]["tnt"]
+        rounds = len(row["per_round"])
+        eff = summarize(row["efficiency_per_round"])
+        # Efficiency at least the target: judged on 1/efficiency against 1/target by the IQR rule.
+        inverse = summarize([1 / e for e in row["efficiency_per_round"]])
+        lines.append(f"{model}, ib, 16 ranks: efficiency {eff['median']:.3f} (IQR {eff['q1']:.3f}-{eff['q3']:.3f}), "
+                     f"target >= {EFFICIENCY_TARGET:.2f}: {verdict(inverse, 1 / EFFICIENCY_TARGET, rounds)}")
+        over = summarize(row["over_limit_per_round"])
+        lines.append(f"{model}, ib, 16 ranks: step / own limit {over['median']:.3f} (IQR {over['q1']:.3f}-"
+                     f"{over['q3']:.3f}), target <= {LIMIT_TARGET:.2f}: {verdict(over, LIMIT_TARGET, rounds)}")
+    return lines
+
+
+# -- output -------------------------------------------------------------------------------
+
+def print_table(results, links, labels, file=sys.stdout):
+    print("| model | p | hosts | link | variant | buckets | step ms (IQR) | efficiency (IQR) | limit ms | "
+          "efficiency limit | step / limit | model error |", file=file)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|", file=file)
+    for model, by_p in results.items():
+        for p, result in by_p.items():
+            for link in links:
+                for label in labels:
+                    row = result["analysis"][link][label]
+                    step = row["step"]
+                    cells = [model, p, str(result["measured"]["hosts"]), link, label, str(row.get("buckets", "")),
+                             f"{step['median'] * 1e3:.0f} ({step['q1'] * 1e3:.0f}-{step['q3'] * 1e3:.0f})"]
+                    if label == "compute":
+                        cells += ["1", "", "", "", ""]
+                    else:
+                        eff = row["efficiency"]
+                        cells += [f"{eff['median']:.3f} ({eff['q1']:.3f}-{eff['q3']:.3f})",
+                                  f"{row['limit']['median'] * 1e3:.0f}", f"{row['limit_efficiency']['median']:.3f}",
+                                  f"{row['over_limit']['median']:.3f}", f"{row['model_error']['median'] * 100:+.0f}%"]
+                    print("| " + " | ".join(cells) + " |", file=file)
+
+
+def print_probes(results):
+    print("\nThe emulated links as MPI sees them (medians; p = ranks): one 8-byte Sendrecv (a ring step's "
+          "latency), an 8-byte MPI_Allreduce, and a ring allreduce of the probe's bytes:")
+    for model, by_p in results.items():
+        for p, result in by_p.items():
+            for link, probe in result["measured"]["probes"].items():
+                print(f"  {model} p={p} {link}: Sendrecv {probe['sendrecv_s'] * 1e6:.0f} us, Allreduce(8 B) "
+                      f"{probe['allreduce_8_bytes_s'] * 1e6:.0f} us, ring of {probe['ring_bytes']} B "
+                      f"{probe['ring_s'] * 1e3:.2f} ms")
+
+
+def plot(results, links, labels, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = list(results)
+    figure, axes = plt.subplots(len(links), len(models), figsize=(4 * len(models), 3.3 * len(links)),
+                                squeeze=False)
+    for row, link in enumerate(links):
+        for column, model in enumerate(models):
+            axis = axes[row][column]
+            ps = sorted(results[model], key=int)
+            for label in labels:
+                if label == "compute":
+                    continue
+                effs = [results[model][p]["analysis"][link][label]["efficiency"] for p in ps]
+                axis.errorbar([int(p) for p in ps], [e["median"] for e in effs],
+                              yerr=[[e["median"] - e["q1"] for e in effs], [e["q3"] - e["median"] for e in effs]],
+                              marker="o", capsize=3, label=label)
+            axis.set_xscale("log", base=2)
+            axis.set_ylim(0, 1.05)
+            axis.axhline(EFFICIENCY_TARGET, color="grey", linestyle=":", linewidth=1)
+            axis.set_title(f"{model}, {link}")
+            axis.set_xlabel("ranks")
+            axis.set_ylabel("efficiency (compute step / step)")
+    axes[0][0].legend(fontsize=7)
+    figure.suptitle("Emulated cluster: efficiency per model, link and variant (median, IQR over rounds)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    log(f"plot written to {path}")
+
+
+# -- commands -----------------------------------------------------------------------------
+
+def command_run(args):
+    problem = cluster_hosts.available()
+    if problem:
+        sys.exit(f"emulated_cluster: {problem}")
+    models = args.models.split(",")
+    ranks = [int(p) for p in args.ranks.split(",")]
+    links = args.links.split(",")
+    thresholds = [float(kb) for kb in args.thresholds.split(",")] if args.thresholds else list(DEFAULT_THRESHOLDS)
+    labels = variant_labels(thresholds) if not args.variants else args.variants.split(",")
+    if "compute" not in labels:
+        labels.append("compute")
+    for name, chosen, known in (("model", models, MODELS), ("link", links, cluster_hosts.PROFILES)):
+        unknown = [item for item in chosen if item not in known and not (name == "model" and item.endswith(".json")
+                                                                          and os.path.exists(item))]
+        if unknown:
+            sys.exit(f"emulated_cluster: unknown {name}(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    cluster_hosts.cleanup_stale()
+    results = {}
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="tnt-cluster-") as scratch:
+        os.chmod(scratch, 0o755)
+        try:
+            for model in models:
+                for p in ranks:
+                    measured = measure(model, p, args.ranks_per_host, links, labels, args.scale, args.repeats,
+                                       args.steps, scratch, args.timeline if p == ranks[-1] else None)
+                    results.setdefault(model, {})[str(p)] = {
+                        "measured": measured, "analysis": analyze(model, p, measured, args.scale)}
+        except JobFailed as error:
+            sys.exit(f"emulated_cluster: {error}")
+        finally:
+            cluster_hosts.cleanup_stale()
+    print(f"\nEmulated cluster, byte scale {args.scale:g}, {args.repeats} interleaved rounds of {args.steps}-step "
+          f"windows, {args.ranks_per_host} rank(s) per host; efficiency = compute-only step / step in the "
+          f"same round. {time.monotonic() - started:.0f} s.\n")
+    print_table(results, links, labels)
+    print_probes(results)
+    lines = judge(results)
+    if lines:
+        print("\nTargets (IQR rule, at least "
+              f"{MIN_ROUNDS_TO_JUDGE} rounds):\n" + "\n".join(lines))
+    if args.json:
+        with open(args.json, "w") as output:
+            json.dump({"scale": args.scale, "repeats": args.repeats, "steps": args.steps, "links": links,
+                       "labels": labels, "results": results}, output, indent=1)
+    if args.plot:
+        plot(results, links, labels, args.plot)
+
+
+def command_links(args):
+    problem = cluster_hosts.available()
+    if problem:
+        sys.exit(f"emulated_cluster: {problem}")
+    cluster_hosts.cleanup_stale()
+    with tempfile.TemporaryDirectory() as directory, cluster_hosts.EmulatedHosts(args.hosts, directory) as emulated:
+        servers = [subprocess.Popen(emulated.exec_in(i, [sys.executable, NETPROBE, "serve", "5555"]))
+                   for i in range(args.hosts)]
+        try:
+            time.sleep(0.5)
+
+            def probe(index, *arguments):
+                return float(subprocess.run(emulated.exec_in(index, [sys.executable, NETPROBE, *arguments]),
+                                            capture_output=True, text=True, check=True).stdout)
+
+            def report(name, rate_bit):
+                emulated.shape(rate_bit)
+                nbytes = str(int(min(400 << 20, (rate_bit or 8e9) / 8 * 1.5)))
+                latency = probe(1, "latency", emulated.addresses[0], "5555")
+                single = probe(1, "stream", emulated.addresses[0], "5555", nbytes)
+                ring = [subprocess.Popen(emulated.exec_in(i, [sys.executable, NETPROBE, "stream",
+                                                              emulated.addresses[(i + 1) % args.hosts], "5555",
+                                                              nbytes]), stdout=subprocess.PIPE, text=True)
+                        for i in range(args.hosts)]
+                rates = [float(process.communicate()[0]) for process in ring]
+                print(f"{name:<34} one-way latency {latency:6.1f} us (TCP ping-pong / 2), one stream "
+                      f"{single:6.2f} Gb/s, {args.hosts} streams at once {min(rates):.2f}-{max(rates):.2f} Gb/s each")
+            report("unshaped veth", None)
+            for link in args.links.split(","):
+                profile = cluster_hosts.PROFILES[link]
+                report(f"{link} / scale {args.scale:g} ({profile.shaped_rate_bit(args.scale) / 1e6:.0f} Mb/s)",
+                       profile.shaped_rate_bit(args.scale))
+        finally:
+            for server in servers:
+                server.kill()
+
+
+def command_profile(args):
+    import real_models
+    for model in args.models.split(","):
+        profile = real_models.profile(model, args.batch, progress=log if args.verbose else None)
+        path = os.path.join(HERE, "profiles", f"{model}.cpu.json")
+        with open(path, "w") as output:
+            json.dump(profile, output, indent=1)
+        stages = profile_model.stages(profile)
+        print(f"{model}: {profile['parameters']:,} weights, {len(stages)} stages, forward "
+              f"{sum(s[2] for s in stages) * 1e3:.0f} ms, backward {sum(s[3] for s in stages) * 1e3:.0f} ms "
+              f"at batch {args.batch}; written to {path}")
+
+
+def command_project(args):
+    import projection
+    projection.main(args)
+
+
+def compare(first_path, second_path):
+    runs = []
+    for path in (first_path, second_path):
+        with open(path) as saved:
+            runs.append(json.load(saved)["results"])
+    agree = True
+    print(f"{'model':<16}{'p':>4} {'link':<6}{'variant':<14}{'first':>8}{'second':>8}  difference (efficiency)")
+    for model, by_p in runs[0].items():
+        for p, result in by_p.items():
+            other = runs[1].get(model, {}).get(p)
+            if other is None:
+                continue
+            for link, by_label in result["analysis"].items():
+                for label, row in by_label.items():
+                    if "efficiency" not in row or label not in other["analysis"].get(link, {}):
+                        continue
+                    first, second = row["efficiency"]["median"], other["analysis"][link][label]["efficiency"]["median"]
+                    difference = abs(second / first - 1)
+                    agree &= difference <= AGREEMENT
+                    print(f"{model:<16}{p:>4} {link:<6}{label:<14}{first:>8.3f}{second:>8.3f}  {difference * 100:5.1f}%"
+                          + ("" if difference <= AGREEMENT else f"  more than {AGREEMENT:.0%} apart"))
+    print(f"The runs {'agree' if agree else 'do NOT agree'} within {AGREEMENT:.0%} on every efficiency.")
+    return agree
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--compare", nargs=2, metavar="FILE.json",
+                        help="measure nothing: check that two `run --json` files agree within 5%% on every efficiency")
+    commands = parser.add_subparsers(dest="command")
+    run = commands.add_parser("run", help="measure the variants over the emulated cluster (root)")
+    run.add_argument("--models", default="resnet50,transformer_big",
+                     help=f"from {', '.join(MODELS)}, or profile JSON files of your own")
+    run.add_argument("--ranks", default="2,4,8,16", help="comma-separated rank counts (default 2,4,8,16)")
+    run.add_argument("--ranks-per-host", type=int, default=1, help="ranks per emulated host (default 1)")
+    run.add_argument("--links", default="ib,10gbe", help=f"link profiles, from {', '.join(cluster_hosts.PROFILES)}")
+    run.add_argument("--scale", type=float, default=DEFAULT_SCALE,
+                     help=f"byte scale: gradient sizes, thresholds and link rates divided by it (default {DEFAULT_SCALE})")
+    run.add_argument("--thresholds", help="the two extra fusion thresholds, nominal KiB (default "
+                     + ",".join(f"{kb:g}" for kb in DEFAULT_THRESHOLDS) + ")")
+    run.add_argument("--variants", help="time only these labels (compute is always timed)")
+    run.add_argument("--repeats", type=int, default=5, help="interleaved rounds (default 5)")
+    run.add_argument("--steps", type=int, default=2, help="timed steps per window (default 2)")
+    run.add_argument("--json", metavar="FILE.json", help="write every window and the analysis")
+    run.add_argument("--plot", metavar="FILE.png", help="draw efficiency against ranks (needs matplotlib)")
+    run.add_argument("--timeline", metavar="FILE.json",
+                     help="record tarantella's timeline in the largest p's job (its step report goes to that job's log)")
+    links = commands.add_parser("links", help="measure the emulated links (root)")
+    links.add_argument("--hosts", type=int, default=4)
+    links.add_argument("--links", default="ib,10gbe")
+    links.add_argument("--scale", type=float, default=DEFAULT_SCALE)
+    profile = commands.add_parser("profile", help="time the real models layer by layer on this CPU")
+    profile.add_argument("--models", default=",".join(MODELS))
+    profile.add_argument("--batch", type=int, default=1, help="samples per step (default 1)")
+    profile.add_argument("--verbose", action="store_true", help="print every layer's times")
+    project = commands.add_parser("project", help="model the step at large p from a profile or a trace")
+    import projection
+    projection.add_arguments(project)
+    return parser
+
+
+def main():
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.compare:
+        sys.exit(0 if compare(*args.compare) else 1)
+    if args.command is None:
+        parser.error("name a command: run, links, profile or project (see --help)")
+    {"run": command_run, "links": command_links, "profile": command_profile, "project": command_project}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
