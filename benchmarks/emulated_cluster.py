@@ -115,15 +115,15 @@ class Job:
         self._received = b""
         self.log_path = os.path.join(control, "job.log")
         hostfile = emulated.hostfile
+        # UCX_TLS=tcp: MPICH's UCX would otherwise move messages between the namespaces through
+        # shared memory and cross-memory attach (the "hosts" share one kernel), past the shaped links.
         command = [sys.executable, "-m", "tarantella.launcher", "--hostfile", hostfile, "--no-gpu",
-                   "-n", str(ranks), "--", WORKER, "--profile", model, "--scale", repr(scale),
+                   "-n", str(ranks), "-x", "UCX_TLS=tcp", "--", WORKER, "--profile", model, "--scale", repr(scale),
                    "--variants", ",".join(variants), "--steps", str(steps), "--control", control]
         environment = {**os.environ, **emulated.mpi_environment(), **dict(extra_env),
                        "TF_CPP_MIN_LOG_LEVEL": "3", "TNT_COLLECTIVE_TIMEOUT": "900", "TNT_STALL_WARNING": "600",
                        "TNT_START_TIMEOUT": "600", "PYTHONPATH": os.pathsep.join(
                            filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))}
-        if ranks_per_host > 1:  # the launcher places ranks per node from the hostfile's host count
-            command[command.index("-n") + 1] = str(ranks)
         self.command = command
         with open(self.log_path, "w") as output:
             self._process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
@@ -175,9 +175,6 @@ def measure(model, ranks, ranks_per_host, links, labels, scale, repeats, steps, 
     control = tempfile.mkdtemp(prefix=f"{model}-{ranks}-", dir=scratch)
     started = time.monotonic()
     with cluster_hosts.EmulatedHosts(hosts_count, control) as emulated:
-        if ranks_per_host > 1:
-            with open(emulated.hostfile, "w") as hostfile:  # R slots per host, as Hydra reads them
-                hostfile.write("".join(f"{a}\n" for a in emulated.addresses))
         extra = [("TNT_TIMELINE", timeline)] if timeline else []
         job = Job(emulated, ranks, ranks_per_host, model, labels, scale, steps, control, extra)
         try:
@@ -234,6 +231,9 @@ def analyze(model, ranks, measured, scale):
         for label, windows in by_label.items():
             steps = [w["median_step_seconds"] for w in windows]
             row = {"step": summarize(steps), "per_round": steps}
+            cpu = [w.get("cpu_seconds_per_step") for w in windows]
+            if None not in cpu:  # the master's CPU time per step, times p ranks, over the machine's cores
+                row["machine_busy"] = statistics.median(c * ranks / (os.cpu_count() * t) for c, t in zip(cpu, steps))
             if label != "compute":
                 compute_s, buckets = step_model.schedule(
                     stages, threshold_bytes_of(label, measured["thresholds_kb"], scale), scale)
@@ -280,8 +280,8 @@ def judge(results):
 
 def print_table(results, links, labels, file=sys.stdout):
     print("| model | p | hosts | link | variant | buckets | step ms (IQR) | efficiency (IQR) | limit ms | "
-          "efficiency limit | step / limit | model error |", file=file)
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|", file=file)
+          "efficiency limit | step / limit | model error | CPU busy |", file=file)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", file=file)
     for model, by_p in results.items():
         for p, result in by_p.items():
             for link in links:
@@ -297,6 +297,8 @@ def print_table(results, links, labels, file=sys.stdout):
                         cells += [f"{eff['median']:.3f} ({eff['q1']:.3f}-{eff['q3']:.3f})",
                                   f"{row['limit']['median'] * 1e3:.0f}", f"{row['limit_efficiency']['median']:.3f}",
                                   f"{row['over_limit']['median']:.3f}", f"{row['model_error']['median'] * 100:+.0f}%"]
+                    busy = row.get("machine_busy")
+                    cells.append("" if busy is None else f"{busy:.0%}")
                     print("| " + " | ".join(cells) + " |", file=file)
 
 

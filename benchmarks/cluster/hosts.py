@@ -155,8 +155,9 @@ class EmulatedHosts(contextlib.AbstractContextManager):
                 name = "eth0" if len(device) > 1 else outer
                 run(*device, "qdisc", "del", "dev", name, "root", check=False)
                 if rate_bit is not None:
-                    # The bucket holds a few ms of traffic (at least 64 KiB), the queue 50 ms.
-                    burst = max(64 * 1024, int(rate_bit / 8 * 0.002))
+                    # A small bucket (200 us of traffic, at least two full frames): a larger one
+                    # would let a whole ring step of a scaled bucket pass at once, unshaped.
+                    burst = max(3028, int(rate_bit / 8 * 200e-6))
                     run(*device, "qdisc", "add", "dev", name, "root", "tbf", "rate", f"{int(rate_bit)}bit",
                         "burst", str(burst), "latency", "50ms")
 

@@ -33,11 +33,18 @@ def load(path_or_name):
 
 def stages(profile):
     """[(name, [weight element counts], forward_s, backward_s)] with weightless layers merged into the
-    nearest earlier stage (those before the first weighted layer into the first)."""
+    nearest earlier stage (those before the first weighted layer into the first), and so are layers
+    whose weights are all vectors (a BatchNormalization's scale and shift after its convolution): its
+    gradients are then ready with the convolution's, a layer's backward time later than in the real
+    model, and the model has half the stages to trace."""
     merged, pending_forward, pending_backward = [], 0.0, 0.0
     for layer in profile["layers"]:
         sizes = [math.prod(shape) for shape in layer["weights"]]
-        if sizes:
+        if sizes and merged and all(len(shape) == 1 for shape in layer["weights"]):
+            merged[-1][1] += sizes
+            merged[-1][2] += layer["forward_s"]
+            merged[-1][3] += layer["backward_s"]
+        elif sizes:
             merged.append([layer["name"], sizes, layer["forward_s"] + pending_forward,
                            layer["backward_s"] + pending_backward])
             pending_forward = pending_backward = 0.0
