@@ -72,11 +72,13 @@ MODELS = ("resnet50", "transformer_big", "bert_base", "vgg16")
 DEFAULT_SCALE = 512
 DEFAULT_THRESHOLD_KB = 32
 DEFAULT_THRESHOLDS = (1024, 8192)
+PEERS = ("ddp",)  # variants that are not tarantella: no fusion plan, so no limit or model of their own
 START_TIMEOUT_S = 900
 WINDOW_TIMEOUT_S = 300
 # The issue's targets (IB profile, 16 ranks): efficiency, and the step against the own limit.
 EFFICIENCY_TARGET = 0.90
 LIMIT_TARGET = 1.05
+PEER_TARGET = 0.95  # tarantella's step against a peer's, same model, link and p
 TARGET_MODELS = ("resnet50", "transformer_big")
 # Published figures set beside the projection: (ranks, speed-up or efficiency, what).
 PUBLISHED = [
@@ -102,7 +104,8 @@ class JobFailed(RuntimeError):
 class Job:
     """The tarantella job of one model at p ranks over the emulated hosts, driven through FIFOs."""
 
-    def __init__(self, emulated, ranks, ranks_per_host, model, variants, scale, steps, control, extra_env=()):
+    def __init__(self, emulated, ranks, ranks_per_host, model, variants, scale, steps, control, extra_env=(),
+                 backend="tensorflow"):
         self.control = control
         self._go = []
         for rank in range(ranks):
@@ -121,7 +124,7 @@ class Job:
                    "-n", str(ranks), "-x", "UCX_TLS=tcp", "--", WORKER, "--profile", model, "--scale", repr(scale),
                    "--variants", ",".join(variants), "--steps", str(steps), "--control", control]
         environment = {**os.environ, **emulated.mpi_environment(), **dict(extra_env),
-                       "TF_CPP_MIN_LOG_LEVEL": "3", "TNT_COLLECTIVE_TIMEOUT": "900", "TNT_STALL_WARNING": "600",
+                       "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3", "TNT_COLLECTIVE_TIMEOUT": "900", "TNT_STALL_WARNING": "600",
                        "TNT_START_TIMEOUT": "600", "PYTHONPATH": os.pathsep.join(
                            filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))}
         self.command = command
@@ -168,7 +171,8 @@ def variant_labels(thresholds):
     return ["tnt", "tnt-mpi", "one-bucket"] + [f"fusion-{kb:g}" for kb in thresholds] + ["compute"]
 
 
-def measure(model, ranks, ranks_per_host, links, labels, scale, repeats, steps, scratch, timeline=None):
+def measure(model, ranks, ranks_per_host, links, labels, scale, repeats, steps, scratch, timeline=None,
+            backend="tensorflow"):
     """Every window of one model at `ranks` ranks: {link: {label: [window, ...]}}, the probes and the
     job's facts."""
     hosts_count = max(2, -(-ranks // ranks_per_host))
@@ -176,7 +180,7 @@ def measure(model, ranks, ranks_per_host, links, labels, scale, repeats, steps, 
     started = time.monotonic()
     with cluster_hosts.EmulatedHosts(hosts_count, control) as emulated:
         extra = [("TNT_TIMELINE", timeline)] if timeline else []
-        job = Job(emulated, ranks, ranks_per_host, model, labels, scale, steps, control, extra)
+        job = Job(emulated, ranks, ranks_per_host, model, labels, scale, steps, control, extra, backend)
         try:
             ready = job.receive(START_TIMEOUT_S)
             if ready["ranks"] != ranks:
@@ -194,7 +198,10 @@ def measure(model, ranks, ranks_per_host, links, labels, scale, repeats, steps, 
                     emulated.shape(cluster_hosts.PROFILES[link].shaped_rate_bit(scale))
                     for label in (labels if repeat % 2 == 0 else labels[::-1]):
                         job.send(f"window {label}")
-                        windows[link][label].append(job.receive(WINDOW_TIMEOUT_S))
+                        window = job.receive(WINDOW_TIMEOUT_S)
+                        if "unavailable" in window:
+                            raise JobFailed(f"{label}: {window['unavailable']}")
+                        windows[link][label].append(window)
                 log(f"[{model} p={ranks} round {repeat + 1}/{repeats}] " + "; ".join(
                     f"{link}: " + " ".join(f"{label} {windows[link][label][-1]['median_step_seconds'] * 1e3:.0f}"
                                            for label in labels) for link in links) + " ms")
@@ -202,7 +209,8 @@ def measure(model, ranks, ranks_per_host, links, labels, scale, repeats, steps, 
         finally:
             job.stop()
     return {"windows": windows, "probes": probes, "hosts": len(ready["hosts"]), "start_seconds": start_s,
-            "thresholds_kb": ready["thresholds_kb"], "seconds": time.monotonic() - started}
+            "thresholds_kb": ready["thresholds_kb"], "backend": ready.get("backend"),
+            "seconds": time.monotonic() - started}
 
 
 # -- analysis -----------------------------------------------------------------------------
@@ -234,7 +242,10 @@ def analyze(model, ranks, measured, scale):
             cpu = [w.get("cpu_seconds_per_step") for w in windows]
             if None not in cpu:  # the master's CPU time per step, times p ranks, over the machine's cores
                 row["machine_busy"] = statistics.median(c * ranks / (os.cpu_count() * t) for c, t in zip(cpu, steps))
-            if label != "compute":
+            if label in PEERS:
+                row.update(efficiency=summarize([c / s for c, s in zip(compute, steps)]),
+                           efficiency_per_round=[c / s for c, s in zip(compute, steps)])
+            elif label != "compute":
                 compute_s, buckets = step_model.schedule(
                     stages, threshold_bytes_of(label, measured["thresholds_kb"], scale), scale)
                 options = {"algorithm": "mpi" if label == "tnt-mpi" else "tarantella",
@@ -273,6 +284,17 @@ def judge(results):
         over = summarize(row["over_limit_per_round"])
         lines.append(f"{model}, ib, 16 ranks: step / own limit {over['median']:.3f} (IQR {over['q1']:.3f}-"
                      f"{over['q3']:.3f}), target <= {LIMIT_TARGET:.2f}: {verdict(over, LIMIT_TARGET, rounds)}")
+    for model, by_p in results.items():
+        for p, result in by_p.items():
+            for link, rows in result["analysis"].items():
+                for peer in PEERS:
+                    if peer not in rows or "tnt" not in rows:
+                        continue
+                    ratios = [t / d for t, d in zip(rows["tnt"]["per_round"], rows[peer]["per_round"])]
+                    spread = summarize(ratios)
+                    lines.append(f"{model}, {link}, {p} ranks: tnt step / {peer} step {spread['median']:.3f} (IQR "
+                                 f"{spread['q1']:.3f}-{spread['q3']:.3f}), target <= {PEER_TARGET:.2f}: "
+                                 f"{verdict(spread, PEER_TARGET, len(ratios))}")
     return lines
 
 
@@ -292,6 +314,9 @@ def print_table(results, links, labels, file=sys.stdout):
                              f"{step['median'] * 1e3:.0f} ({step['q1'] * 1e3:.0f}-{step['q3'] * 1e3:.0f})"]
                     if label == "compute":
                         cells += ["1", "", "", "", ""]
+                    elif "limit" not in row:
+                        eff = row["efficiency"]
+                        cells += [f"{eff['median']:.3f} ({eff['q1']:.3f}-{eff['q3']:.3f})", "", "", "", ""]
                     else:
                         eff = row["efficiency"]
                         cells += [f"{eff['median']:.3f} ({eff['q1']:.3f}-{eff['q3']:.3f})",
@@ -310,7 +335,7 @@ def print_probes(results):
             for link, probe in result["measured"]["probes"].items():
                 print(f"  {model} p={p} {link}: Sendrecv {probe['sendrecv_s'] * 1e6:.0f} us, Allreduce(8 B) "
                       f"{probe['allreduce_8_bytes_s'] * 1e6:.0f} us, ring of {probe['ring_bytes']} B "
-                      f"{probe['ring_s'] * 1e3:.2f} ms")
+                      + ("(no probe)" if probe["ring_s"] is None else f"{probe['ring_s'] * 1e3:.2f} ms"))
 
 
 def plot(results, links, labels, path):
@@ -371,7 +396,8 @@ def command_run(args):
             for model in models:
                 for p in ranks:
                     measured = measure(model, p, args.ranks_per_host, links, labels, args.scale, args.repeats,
-                                       args.steps, scratch, args.timeline if p == ranks[-1] else None)
+                                       args.steps, scratch, args.timeline if p == ranks[-1] else None,
+                                       args.backend)
                     results.setdefault(model, {})[str(p)] = {
                         "measured": measured, "analysis": analyze(model, p, measured, args.scale)}
         except JobFailed as error:
@@ -484,6 +510,8 @@ def build_parser():
     run.add_argument("--models", default="resnet50,transformer_big",
                      help=f"from {', '.join(MODELS)}, or profile JSON files of your own")
     run.add_argument("--ranks", default="2,4,8,16", help="comma-separated rank counts (default 2,4,8,16)")
+    run.add_argument("--backend", default="tensorflow", choices=("tensorflow", "jax", "torch"),
+                     help="the ranks' Keras backend (default tensorflow)")
     run.add_argument("--ranks-per-host", type=int, default=1, help="ranks per emulated host (default 1)")
     run.add_argument("--links", default="ib,10gbe", help=f"link profiles, from {', '.join(cluster_hosts.PROFILES)}")
     run.add_argument("--scale", type=float, default=DEFAULT_SCALE,

@@ -1,12 +1,17 @@
 """The pieces of benchmarks/emulated_cluster.py: the step model's arithmetic on a known schedule,
-the profile model's stages and schedule, and a 2-host emulated run of a tiny profile model for a
-few steps over a shaped link (needs root, `ip` and `tc`; skipped otherwise)."""
+the profile model's stages and schedule, the profile model's waits and gradients on every Keras
+backend, the projection from a trace, the shaped link's measured rate, and a 2-host emulated run
+of a tiny profile model for a few steps (the last two need root, `ip` and `tc`; skipped otherwise;
+the 2-host run also needs TNT_CLUSTER_TESTS=1, as it takes about a minute)."""
 
+import importlib.util
 import json
 import os
 import pathlib
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 
@@ -93,6 +98,8 @@ def test_a_two_host_emulated_run_measures_every_variant(tmp_path):
     problem = cluster_hosts.available()
     if problem:
         pytest.skip(f"the emulated cluster {problem}")
+    if os.environ.get("TNT_CLUSTER_TESTS") != "1":
+        pytest.skip("set TNT_CLUSTER_TESTS=1 to run 2 ranks over emulated hosts (about a minute)")
     pytest.importorskip("mpi4py")
     profile_path = tmp_path / "tiny.json"
     profile_path.write_text(json.dumps(TINY_PROFILE))
@@ -109,6 +116,7 @@ def test_a_two_host_emulated_run_measures_every_variant(tmp_path):
     compute = rows["compute"]["step"]["median"]
     # The profile's compute is 36 ms; the compute-only step waits for it and a little more.
     assert 0.036 <= compute < 0.5
+    assert result["measured"]["backend"] == "tensorflow"
     for label in ("tnt", "one-bucket"):
         assert len(rows[label]["per_round"]) == 2
         assert rows[label]["step"]["median"] >= 0.036
@@ -122,3 +130,103 @@ def test_a_two_host_emulated_run_measures_every_variant(tmp_path):
     assert 0 < probe["sendrecv_s"] < 0.05 and probe["ring_s"] > 0
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.count(
         cluster_hosts.PREFIX) == 0, "the run left namespaces behind"
+
+
+TWO_STAGES = {"model": "two", "batch": 1, "parameters": 0, "device": "made up", "layers": [
+    {"name": "a", "weights": [[40, 3], [3]], "forward_s": 0.003, "backward_s": 0.005},
+    {"name": "b", "weights": [[4, 4]], "forward_s": 0.002, "backward_s": 0.007}]}
+
+CHECK_ONE_STEP = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import keras
+import numpy as np
+import profile_model
+profile = json.loads(sys.argv[2])
+model = profile_model.build(profile, scale=4)
+model.compile(keras.optimizers.SGD(1.0), "mse", jit_compile=False)
+x, y = profile_model.data(2, steps=1)
+x = np.arange(8, dtype=np.float32).reshape(2, 4) / 10
+model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)  # traced and run before the waits are recorded
+waits = []
+profile_model.on_wait = lambda what, seconds: waits.append([what[0], what[1], seconds])
+model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)
+print(json.dumps({"backend": keras.backend.backend(), "waits": waits,
+                  "weights": [np.asarray(w).tolist() for w in model.get_weights()]}))
+"""
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_the_profile_model_waits_in_backprop_order_and_makes_real_gradients(backend):
+    if importlib.util.find_spec(backend) is None:
+        pytest.skip(f"{backend} is not installed")
+    process = subprocess.run([sys.executable, "-c", CHECK_ONE_STEP, str(BENCHMARKS / "cluster"),
+                              json.dumps(TWO_STAGES)], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert process.returncode == 0, process.stderr[-3000:]
+    result = json.loads(process.stdout.strip().splitlines()[-1])
+    assert result["backend"] == backend
+    # One training step (the second: the first may call the model once more to build Keras' loss):
+    # each stage's forward, then the backward passes in reverse order, each for its profile time.
+    assert result["waits"] == [["stage0", "forward", 0.003], ["stage1", "forward", 0.002],
+                               ["stage1", "backward", 0.007], ["stage0", "backward", 0.005]]
+    # The weights are the real ones divided by the byte scale (120 -> 30, 3 -> 1, 16 -> 4), and each
+    # gradient element is 1e-6 times the mean of the loss gradient that reached the stage. The
+    # stages pass the input through, so with MSE against zeros the loss gradient is 2 x / 8 per
+    # entry: its mean is 2 sum(x) / 64, and each of the two SGD steps at rate 1 adds -1e-6 times that.
+    assert [len(w) for w in result["weights"]] == [30, 1, 4]
+    x_sum = sum(range(8)) / 10
+    expected = 2 * -1e-6 * 2 * x_sum / 64
+    for weight in result["weights"]:
+        assert weight == pytest.approx([expected] * len(weight), rel=1e-5)
+
+
+def test_projection_from_a_multi_rank_trace_reads_each_buckets_ready_time_and_bytes(tmp_path):
+    import projection
+    step = {"pid": 0, "cat": "step", "name": "train step", "ph": "X"}
+    events = [dict(step, ts=1_000_000, dur=300_000), dict(step, ts=2_000_000, dur=320_000)]
+    for start in (1_000_000, 2_000_000):
+        events += [{"pid": 0, "name": "hand-over of bucket 0", "ph": "i", "ts": start + 100_000},
+                   {"pid": 0, "name": "hand-over of bucket 1", "ph": "i", "ts": start + 250_000}]
+    events += [{"pid": 0, "cat": "gradients", "ph": "X", "name": "allreduce", "ts": 0, "dur": 1,
+                "args": {"bucket": b, "bytes": n}} for b, n in ((0, 4_000_000), (1, 1_000_000))]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    compute, buckets = projection.schedule_from_trace(str(trace))
+    assert compute == pytest.approx(0.25)
+    assert buckets == [(pytest.approx(0.1), 4_000_000), (pytest.approx(0.25), 1_000_000)]
+    # 2 ranks, no latency, 1 GB/s: the ring moves 2 (p-1)/p s bytes: 4 ms and 1 ms; bucket 0 ends at
+    # 104 ms, bucket 1 at 251 ms: the step is 251 ms, efficiency 0.25 / 0.251.
+    result = projection.project(compute, buckets, [2], 0.0, 1e9)
+    assert result[2]["tarantella"][0] == pytest.approx(0.251)
+    assert result[2]["tarantella"][1] == pytest.approx(0.25 / 0.251)
+    # One bucket after backprop: 250 ms + 5 ms.
+    assert result[2]["one bucket"][0] == pytest.approx(0.255)
+
+
+def test_a_shaped_link_carries_the_profiles_rate(tmp_path):
+    problem = cluster_hosts.available()
+    if problem:
+        pytest.skip(f"the emulated cluster {problem}")
+    netprobe = str(BENCHMARKS / "cluster" / "netprobe.py")
+    rate_bit = 40e6  # 40 Mb/s: 1.5 MB take 0.3 s
+    with cluster_hosts.EmulatedHosts(2, str(tmp_path)) as emulated:
+        server = subprocess.Popen(emulated.exec_in(0, [sys.executable, netprobe, "serve", "5555"]))
+        try:
+            time.sleep(0.5)
+
+            def stream():
+                return float(subprocess.run(emulated.exec_in(1, [sys.executable, netprobe, "stream",
+                                                                 emulated.addresses[0], "5555", str(1_500_000)]),
+                                            capture_output=True, text=True, check=True, timeout=60).stdout)
+            unshaped = stream()
+            emulated.shape(rate_bit)
+            shaped = stream()
+        finally:
+            server.kill()
+            server.wait()
+    # TCP's payload rate under tbf: at most the set rate, and at least 80% of it (headers, slow start).
+    assert 0.8 * rate_bit / 1e9 <= shaped <= 1.02 * rate_bit / 1e9
+    assert unshaped > 5 * shaped
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.count(
+        emulated.prefix) == 0

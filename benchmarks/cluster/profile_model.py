@@ -15,9 +15,11 @@ The waiting is a sleep: it takes no CPU, so 16 ranks fit on 2 cores.
 The stage's activations are a (batch, 4) float32 tensor: what travels between ranks is gradients only.
 """
 
+import functools
 import json
 import math
 import os
+import time
 
 WIDTH = 4
 
@@ -64,18 +66,108 @@ def scaled_sizes(sizes, scale):
     return [max(1, round(size / scale)) for size in sizes]
 
 
-def build_tensorflow(profile, scale, time_factor=1.0):
-    """The profile model on Keras' TensorFlow backend."""
-    import functools
-    import time
+# Every wait goes through here; a test may set `on_wait` to see which stage waited for how long.
+on_wait = None
 
-    import keras
-    import numpy as np
+
+def wait(seconds, what):
+    if on_wait is not None:
+        on_wait(what, seconds)
+    time.sleep(seconds)
+
+
+def _stage_tensorflow(keras):
     import tensorflow as tf
 
-    def wait(seconds, array):
-        time.sleep(seconds)
+    def waiting(seconds, what, array):
+        wait(seconds, what)
         return array
+
+    def apply(layer, x, weights):
+        forward_s, backward_s, name = layer.forward_s, layer.backward_s, layer.name
+
+        @tf.custom_gradient
+        def stage(x, *weights):
+            # Not stateful: TensorFlow would otherwise run every such op in program order, and
+            # the buckets' hand-overs (stateful) only after the whole backward pass.
+            y = tf.numpy_function(functools.partial(waiting, forward_s, (name, "forward")), [x], tf.float32,
+                                  stateful=False)
+            y.set_shape(x.shape)
+
+            def backward(dy):
+                dx = tf.numpy_function(functools.partial(waiting, backward_s, (name, "backward")), [dy],
+                                       tf.float32, stateful=False)
+                dx.set_shape(dy.shape)
+                g = tf.reduce_mean(dx) * GRADIENT_FACTOR
+                return [dx] + [tf.fill(tf.shape(w), g) for w in weights]
+            return y, backward
+
+        return stage(x, *[tf.identity(w) for w in weights])
+    return apply
+
+
+def _stage_jax(keras):
+    import jax
+    import jax.numpy as jnp
+
+    def waiting(seconds, what, x):
+        def host(array):
+            wait(seconds, what)
+            return array
+        return jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    def apply(layer, x, weights):
+        forward_s, backward_s, name = layer.forward_s, layer.backward_s, layer.name
+        shapes = [(tuple(w.shape), w.dtype) for w in weights]
+
+        @jax.custom_vjp
+        def stage(x, *weights):
+            return waiting(forward_s, (name, "forward"), x)
+
+        def forward(x, *weights):
+            return stage(x, *weights), None
+
+        def backward(_, dy):
+            dx = waiting(backward_s, (name, "backward"), dy)
+            g = jnp.mean(dx) * GRADIENT_FACTOR
+            return (dx,) + tuple(jnp.full(shape, g, dtype) for shape, dtype in shapes)
+
+        stage.defvjp(forward, backward)
+        return stage(x, *weights)
+    return apply
+
+
+def _stage_torch(keras):
+    import torch
+
+    class Stage(torch.autograd.Function):
+        @staticmethod
+        def forward(context, forward_s, backward_s, name, x, *weights):
+            wait(forward_s, (name, "forward"))
+            context.backward_s, context.name = backward_s, name
+            context.shapes = [w.shape for w in weights]
+            return x.clone()
+
+        @staticmethod
+        def backward(context, dy):
+            wait(context.backward_s, (context.name, "backward"))
+            dx = dy.clone()
+            g = dx.mean() * GRADIENT_FACTOR
+            return (None, None, None, dx) + tuple(g.expand(shape).clone() for shape in context.shapes)
+
+    def apply(layer, x, weights):
+        return Stage.apply(layer.forward_s, layer.backward_s, layer.name, x, *weights)
+    return apply
+
+
+GRADIENT_FACTOR = 1e-6  # each weight's gradient: the mean of the incoming gradient times this
+
+
+def build(profile, scale, time_factor=1.0):
+    """The profile model on the current Keras backend (TensorFlow, JAX or PyTorch)."""
+    import keras
+
+    apply = {"tensorflow": _stage_tensorflow, "jax": _stage_jax, "torch": _stage_torch}[keras.backend.backend()](keras)
 
     class Stage(keras.layers.Layer):
         def __init__(self, sizes, forward_s, backward_s, **kwargs):
@@ -85,24 +177,10 @@ def build_tensorflow(profile, scale, time_factor=1.0):
                           for index, size in enumerate(sizes)]
 
         def call(self, x):
-            forward_s, backward_s = self.forward_s, self.backward_s
+            return apply(self, x, [w.value for w in self.parts])
 
-            @tf.custom_gradient
-            def stage(x, *weights):
-                # Not stateful: TensorFlow would otherwise run every such op in program order, and
-                # the buckets' hand-overs (stateful) only after the whole backward pass.
-                y = tf.numpy_function(functools.partial(wait, forward_s), [x], tf.float32, stateful=False)
-                y.set_shape(x.shape)
-
-                def backward(dy):
-                    dx = tf.numpy_function(functools.partial(wait, backward_s), [dy], tf.float32,
-                                           stateful=False)
-                    dx.set_shape(dy.shape)
-                    g = tf.reduce_mean(dx) * 1e-6
-                    return [dx] + [tf.fill(tf.shape(w), g) for w in weights]
-                return y, backward
-
-            return stage(x, *[tf.identity(w.value) for w in self.parts])
+        def compute_output_shape(self, shape):
+            return shape
 
     inputs = keras.Input((WIDTH,))
     x = inputs
@@ -110,6 +188,9 @@ def build_tensorflow(profile, scale, time_factor=1.0):
         x = Stage(scaled_sizes(sizes, scale), forward_s * time_factor, backward_s * time_factor,
                   name=f"stage{index}")(x)
     return keras.Model(inputs, x, name=profile["model"])
+
+
+build_tensorflow = build  # the name the first version had
 
 
 def data(global_batch, steps=8):

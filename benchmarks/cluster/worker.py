@@ -1,17 +1,23 @@
-"""One rank of an emulated-cluster job (benchmarks/emulated_cluster.py): tarantella on Keras'
-TensorFlow backend, training a profile model in several variants that live side by side in
-this one process, each its own tnt.Model traced once:
+"""One rank of an emulated-cluster job (benchmarks/emulated_cluster.py): tarantella on the Keras
+backend KERAS_BACKEND names (TensorFlow by default; JAX and PyTorch too), training a profile
+model in several variants that live side by side in this one process, each its own model
+traced once:
 
   tnt          tarantella as it is (the fusion threshold scaled by the byte scale)
-  tnt-mpi      the same model with TNT_ALLREDUCE=mpi (switched on the communicator between windows)
+  tnt-mpi      the same model with TNT_ALLREDUCE=mpi (switched between windows)
   one-bucket   a fusion threshold larger than the model: one bucket, handed over after backprop
   fusion-KB    another fusion threshold (nominal KiB, scaled like the default)
-  compute      the gradient allreduce removed (each rank applies its own gradients): the
-               compute-only step of the same ranks, the efficiency's numerator
+  compute      the same profile model as plain Keras, no tnt.Model: each rank trains alone on a
+               micro-batch, the compute-only step of the same ranks, the efficiency's numerator
+               (so every cost tarantella adds, not only the gradient sum, counts against it)
+  ddp          (torch backend only) a peer: the same Keras model inside torch's
+               DistributedDataParallel over gloo, trained by a torch loop as keras-io's DDP guide
+               does it; its bucket cap (25 MB) divided by the byte scale like tarantella's threshold
 
-The ring's 1 MiB cut-over (communication._RING_MIN_BYTES) is divided by the byte scale too, so
-each bucket takes the algorithm its nominal size would. Commands arrive one line at a time on
-the FIFO <control>/go-<rank>; the master answers each with one JSON line on <control>/results:
+The ring's 1 MiB cut-over is divided by the byte scale too, so each bucket takes the algorithm
+its nominal size would (tnt_internals.py: the one place that reaches past the public API).
+Commands arrive one line at a time on the FIFO <control>/go-<rank>; the master answers each
+with one JSON line on <control>/results:
 
   window LABEL   one untimed step (the ranks fall in step), then --steps timed steps of LABEL
   probe          the link as MPI sees it: an 8-byte Sendrecv round with both ring neighbours,
@@ -22,19 +28,20 @@ the FIFO <control>/go-<rank>; the master answers each with one JSON line on <con
 import argparse
 import json
 import os
+import socket
 import statistics
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-os.environ["KERAS_BACKEND"] = "tensorflow"
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 import profile_model  # noqa: E402
+import tnt_internals  # noqa: E402
 
 MICRO_BATCH = 2
 ONE_BUCKET_KB = 1 << 30
@@ -52,25 +59,6 @@ class StepTimer(keras.callbacks.Callback):
         self.seconds.append(time.perf_counter() - self._started)
 
 
-def keep_own_gradients_patch():
-    """GradientAllreduce.__call__ replaced by one that keeps each rank's gradients (the round's opening
-    still sums the micro-batch sizes, in a collective of its own). Returns the original."""
-    from tarantella import gradients
-    original = gradients.GradientAllreduce.__call__
-
-    def keep_own(self, rank_gradients, *_, opening=None, **__):
-        if opening is None:
-            return list(rank_gradients)
-        communicator = self._comm
-        open_step = lambda samples: np.float64(communicator.open_step(
-            "the allreduce of micro-batch sizes", "a step without gradient allreduce", int(samples)))
-        total = tf.numpy_function(open_step, [tf.cast(opening[0], tf.int64)], tf.float64, stateful=True)
-        total.set_shape([])
-        return list(rank_gradients), total
-    gradients.GradientAllreduce.__call__ = keep_own
-    return original
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--profile", required=True)
@@ -83,34 +71,40 @@ def main():
     args = parser.parse_args()
 
     import tarantella as tnt
-    from tarantella import communication, gradients
-    communication._RING_MIN_BYTES = max(1, int((1 << 20) / args.scale))
-    comm = communication.init()
-    rank, size = comm.rank, comm.size
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    scaled_ring = tnt_internals.scale_ring_cut_over(args.scale)
+    rank, size = tnt.get_rank(), tnt.get_size()
     profile = profile_model.load(args.profile)
     features, labels = profile_model.data(MICRO_BATCH * size)
-    dataset = tf.data.Dataset.from_tensor_slices((features, labels)).batch(MICRO_BATCH * size).repeat()
     default_kb = float(os.environ.get("TNT_FUSION_THRESHOLD", "32"))
 
-    models, plans = {}, {}
+    models, plans, batches = {}, {}, {}
     for label in args.variants.split(","):
         base = "tnt" if label == "tnt-mpi" else label
         if base in models:
-            models[label] = models[base]
+            models[label], batches[label] = models[base], batches[base]
+            continue
+        if base == "ddp":
+            models[label] = models[base] = DdpTrainer(profile, args, world)
+            batches[label] = batches[base] = MICRO_BATCH
+            models[label].fit(features, labels, MICRO_BATCH, 1, 2, False, 0)
             continue
         kb = {"one-bucket": ONE_BUCKET_KB}.get(base, default_kb)
         if base.startswith("fusion-"):
             kb = float(base.split("-", 1)[1])
         os.environ["TNT_FUSION_THRESHOLD"] = repr(kb / args.scale)
-        original = keep_own_gradients_patch() if base == "compute" else None
         keras.utils.set_random_seed(0)
-        model = tnt.Model(profile_model.build_tensorflow(profile, args.scale, args.time_factor))
+        model = profile_model.build(profile, args.scale, args.time_factor)
+        batch = MICRO_BATCH
+        if base != "compute":
+            model, batch = tnt.Model(model), MICRO_BATCH * size
+            plans[label] = kb
         model.compile(keras.optimizers.SGD(0.01), "mse", jit_compile=False)
-        model.fit(dataset, epochs=1, steps_per_epoch=2, verbose=0)  # traces the step
-        if original is not None:
-            gradients.GradientAllreduce.__call__ = original
+        model.fit(features, labels, batch_size=batch, epochs=1, steps_per_epoch=2, shuffle=False,
+                  verbose=0)  # traces the step
         models[label] = models[base] = model
-        plans[label] = kb
+        batches[label] = batches[base] = batch
     os.environ["TNT_FUSION_THRESHOLD"] = repr(default_kb / args.scale)
 
     commands = open(os.path.join(args.control, f"go-{rank}"))
@@ -121,9 +115,10 @@ def main():
             results.write(json.dumps(message) + "\n")
             results.flush()
 
-    reply({"ready": True, "ranks": size, "thresholds_kb": plans,
-           "hosts": sorted(set(comm._mpi.allgather(comm.host)))})
-    ring_default = comm._ring_allreduce
+    switchable = tnt_internals.use_ring(True)
+    reply({"ready": True, "ranks": size, "thresholds_kb": plans, "backend": keras.backend.backend(),
+           "hosts": sorted(set(world.allgather(socket.gethostname()))), "ring_cut_over_scaled": scaled_ring,
+           "allreduce_switchable": switchable})
     while True:
         command = commands.readline().split()
         if not command:
@@ -131,24 +126,66 @@ def main():
         if command[0] == "end":
             break
         if command[0] == "probe":
-            reply(probe(comm, args.probe_bytes))
+            reply(probe(world, args.probe_bytes))
             continue
         label = command[1]
-        comm._ring_allreduce = ring_default and label != "tnt-mpi"
+        if label == "tnt-mpi" and not switchable:
+            reply({"label": label, "unavailable": "TNT_ALLREDUCE cannot be switched inside this tarantella"})
+            continue
+        tnt_internals.use_ring(label != "tnt-mpi")
+        world.Barrier()
         timer = StepTimer()
         cpu = time.process_time()
-        models[label].fit(dataset, epochs=1, steps_per_epoch=1 + args.steps, verbose=0, callbacks=[timer])
+        models[label].fit(features, labels, batch_size=batches[label], epochs=1, steps_per_epoch=1 + args.steps,
+                          shuffle=False, verbose=0, callbacks=[timer])
         cpu = (time.process_time() - cpu) / (1 + args.steps)
         timed = timer.seconds[1:]
         reply({"label": label, "median_step_seconds": statistics.median(timed), "steps": timed,
                "cpu_seconds_per_step": cpu})
 
 
-def probe(comm, nbytes, calls=200):
+class DdpTrainer:
+    """The profile model in torch's DistributedDataParallel (gloo), a step as keras-io's guide
+    "Multi-GPU distributed training with PyTorch" writes it: forward, loss, backward, step. Its
+    `fit` takes what Keras' fit takes here and times each step through the callbacks."""
+
+    def __init__(self, profile, args, world):
+        import torch
+        import torch.distributed as dist
+        if keras.backend.backend() != "torch":
+            raise SystemExit("the ddp variant needs KERAS_BACKEND=torch")
+        if not dist.is_initialized():
+            # The master's address as its namespace's name resolves; gloo's TCP goes through the
+            # shaped link like MPI's.
+            address = world.bcast(socket.gethostbyname(socket.gethostname()), root=0)
+            dist.init_process_group("gloo", init_method=f"tcp://{address}:29517", rank=world.Get_rank(),
+                                    world_size=world.Get_size())
+        keras.utils.set_random_seed(0)
+        self.model = profile_model.build(profile, args.scale, args.time_factor)
+        self.model(np.zeros((MICRO_BATCH, profile_model.WIDTH), np.float32))  # builds it
+        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model, bucket_cap_mb=25 / args.scale)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.rank = world.Get_rank()
+
+    def fit(self, features, labels, batch_size, epochs, steps_per_epoch, shuffle, verbose, callbacks=()):
+        import torch
+        rows = slice(self.rank * batch_size, (self.rank + 1) * batch_size)
+        x, y = torch.as_tensor(features[rows]), torch.as_tensor(labels[rows])
+        for step in range(steps_per_epoch):
+            for callback in callbacks:
+                callback.on_train_batch_begin(step)
+            self.optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(self.ddp(x), y)
+            loss.backward()
+            self.optimizer.step()
+            for callback in callbacks:
+                callback.on_train_batch_end(step)
+
+
+def probe(world, nbytes, calls=200):
     """Medians, in seconds, of what the link costs MPI here (run on the main thread between windows,
-    while the communicator's worker waits)."""
+    while tarantella's worker waits)."""
     from mpi4py import MPI
-    world = comm._mpi
     rank, size = world.Get_rank(), world.Get_size()
     right, left = (rank + 1) % size, (rank - 1) % size
     small, incoming = np.zeros(1, np.float64), np.zeros(1, np.float64)
@@ -164,16 +201,16 @@ def probe(comm, nbytes, calls=200):
             sendrecv.append((middle - started) / 2)
             allreduce.append(time.perf_counter() - middle)
     values = np.ones(max(size, nbytes // 4), np.float32)
-    saved = comm._ring_allreduce
+    tnt_internals.use_ring(True)
     for call in range(12):
         world.Barrier()
         started = time.perf_counter()
-        comm._allreduce_bucket(values)
+        if not tnt_internals.ring_allreduce(values):
+            break
         if call >= 2:
             ring.append(time.perf_counter() - started)
-    comm._ring_allreduce = saved
     return {"sendrecv_s": statistics.median(sendrecv), "allreduce_8_bytes_s": statistics.median(allreduce),
-            "ring_bytes": int(values.nbytes), "ring_s": statistics.median(ring)}
+            "ring_bytes": int(values.nbytes), "ring_s": statistics.median(ring) if ring else None}
 
 
 if __name__ == "__main__":
