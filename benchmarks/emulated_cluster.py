@@ -327,6 +327,43 @@ def print_table(results, links, labels, file=sys.stdout):
                     print("| " + " | ".join(cells) + " |", file=file)
 
 
+def print_summary(results, links, labels, file=sys.stdout):
+    """The docs' table: per model, link and p, each variant's efficiency (median, IQR) and the
+    compute-only step."""
+    shown = [label for label in labels if label != "compute"]
+    print("| model | link | p | compute-only step ms | " + " | ".join(shown) + " |", file=file)
+    print("|---" * (4 + len(shown)) + "|", file=file)
+    for model, by_p in results.items():
+        for link in links:
+            for p, result in sorted(by_p.items(), key=lambda item: int(item[0])):
+                rows = result["analysis"][link]
+                cells = [model, link, p, f"{rows['compute']['step']['median'] * 1e3:.0f}"]
+                for label in shown:
+                    eff = rows[label]["efficiency"]
+                    cells.append(f"{eff['median']:.2f} ({eff['q1']:.2f}-{eff['q3']:.2f})")
+                print("| " + " | ".join(cells) + " |", file=file)
+
+
+def print_model_error(results, file=sys.stdout):
+    """How well the step model (the projection's) predicts the measured steps at p <= 16."""
+    errors = {}
+    for model, by_p in results.items():
+        for p, result in by_p.items():
+            for link, rows in result["analysis"].items():
+                for label, row in rows.items():
+                    if "model_error" in row:
+                        errors.setdefault(label, []).append((abs(row["model_error"]["median"]), model, link, p,
+                                                             row["model_error"]["median"]))
+    if not errors:
+        return
+    print("\nThe step model against the measured steps (modelled / measured - 1, medians over rounds; the "
+          "model is fed the measured compute-only step, the probed latency and the shaped rate):", file=file)
+    for label, found in errors.items():
+        worst = max(found)
+        print(f"  {label}: mean |error| {statistics.mean(e[0] for e in found) * 100:.1f}% over {len(found)} "
+              f"configurations, largest {worst[4] * 100:+.1f}% ({worst[1]}, {worst[2]}, p={worst[3]})", file=file)
+
+
 def print_probes(results):
     print("\nThe emulated links as MPI sees them (medians; p = ranks): one 8-byte Sendrecv (a ring step's "
           "latency), an 8-byte MPI_Allreduce, and a ring allreduce of the probe's bytes:")
@@ -408,6 +445,9 @@ def command_run(args):
           f"windows, {args.ranks_per_host} rank(s) per host; efficiency = compute-only step / step in the "
           f"same round. {time.monotonic() - started:.0f} s.\n")
     print_table(results, links, labels)
+    print("\nEfficiency per variant (compute-only step / step, median and IQR over rounds):\n")
+    print_summary(results, links, labels)
+    print_model_error(results)
     print_probes(results)
     lines = judge(results)
     if lines:
@@ -533,6 +573,9 @@ def build_parser():
     profile.add_argument("--models", default=",".join(MODELS))
     profile.add_argument("--batch", type=int, default=1, help="samples per step (default 1)")
     profile.add_argument("--verbose", action="store_true", help="print every layer's times")
+    report = commands.add_parser("report", help="print the tables (and --plot) of a saved `run --json` file")
+    report.add_argument("file")
+    report.add_argument("--plot", metavar="FILE.png")
     project = commands.add_parser("project", help="model the step at large p from a profile or a trace")
     import projection
     projection.add_arguments(project)
@@ -544,6 +587,20 @@ def main():
     args = parser.parse_args()
     if args.compare:
         sys.exit(0 if compare(*args.compare) else 1)
+    if args.command == "report":
+        with open(args.file) as saved:
+            run = json.load(saved)
+        print_table(run["results"], run["links"], run["labels"])
+        print("\nEfficiency per variant (compute-only step / step, median and IQR over rounds):\n")
+        print_summary(run["results"], run["links"], run["labels"])
+        print_model_error(run["results"])
+        print_probes(run["results"])
+        lines = judge(run["results"])
+        if lines:
+            print("\nTargets:\n" + "\n".join(lines))
+        if args.plot:
+            plot(run["results"], run["links"], run["labels"], args.plot)
+        return
     if args.command is None:
         parser.error("name a command: run, links, profile or project (see --help)")
     {"run": command_run, "links": command_links, "profile": command_profile, "project": command_project}[args.command](args)
