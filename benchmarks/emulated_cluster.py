@@ -513,7 +513,15 @@ def command_profile(args):
 
 def command_project(args):
     import projection
-    projection.main(args)
+    result = projection.main(args)
+    name = args.profile and os.path.splitext(os.path.basename(args.profile))[0].split(".")[0]
+    published = [entry for entry in PUBLISHED if entry[0] == name]
+    if published:
+        print("\nBeside published figures (efficiency = speed-up / ranks):")
+        for _, ranks, efficiency, what in published:
+            projected = result.get(ranks)
+            mine = "" if projected is None else f"; projected here {projected['tarantella'][1]:.2f}"
+            print(f"  {ranks} ranks: {efficiency:.2f}: {what}{mine}")
 
 
 def compare(first_path, second_path):

@@ -100,7 +100,10 @@ def main():
         if base != "compute":
             model, batch = tnt.Model(model), MICRO_BATCH * size
             plans[label] = kb
-        model.compile(keras.optimizers.SGD(0.01), "mse", jit_compile=False)
+        # TensorFlow: a tf.function without XLA (the waits are host calls); JAX: Keras' jitted step
+        # (un-jitted, JAX would trace every stage's custom_vjp anew at each step); torch: eager.
+        model.compile(keras.optimizers.SGD(0.01), "mse",
+                      jit_compile=False if keras.backend.backend() == "tensorflow" else "auto")
         model.fit(features, labels, batch_size=batch, epochs=1, steps_per_epoch=2, shuffle=False,
                   verbose=0)  # traces the step
         models[label] = models[base] = model
