@@ -437,6 +437,8 @@ def command_run(args):
                                        args.backend)
                     results.setdefault(model, {})[str(p)] = {
                         "measured": measured, "analysis": analyze(model, p, measured, args.scale)}
+                    if args.json:  # after every configuration: a run cut short keeps what it measured
+                        save(args, links, labels, results)
         except JobFailed as error:
             sys.exit(f"emulated_cluster: {error}")
         finally:
@@ -454,11 +456,15 @@ def command_run(args):
         print("\nTargets (IQR rule, at least "
               f"{MIN_ROUNDS_TO_JUDGE} rounds):\n" + "\n".join(lines))
     if args.json:
-        with open(args.json, "w") as output:
-            json.dump({"scale": args.scale, "repeats": args.repeats, "steps": args.steps, "links": links,
-                       "labels": labels, "results": results}, output, indent=1)
+        save(args, links, labels, results)
     if args.plot:
         plot(results, links, labels, args.plot)
+
+
+def save(args, links, labels, results):
+    with open(args.json, "w") as output:
+        json.dump({"scale": args.scale, "repeats": args.repeats, "steps": args.steps, "links": links,
+                   "labels": labels, "backend": args.backend, "results": results}, output, indent=1)
 
 
 def command_links(args):

@@ -85,11 +85,16 @@ class EmulatedHosts(contextlib.AbstractContextManager):
     """`count` hosts h1..hN: namespaces with addresses 10.<a>.<b>.1..N on one bridge, a hostfile,
     an ssh stand-in, and each host's link shaped by `shape()`."""
 
+    _made = 0
+
     def __init__(self, count, directory, tag=None):
         problem = available()
         if problem:
             raise RuntimeError(problem)
-        tag = tag if tag is not None else os.getpid() % 100000
+        # A tag of its own per instance: a namespace's deletion ends its veth pair asynchronously,
+        # so the next instance of the same run must not reuse the names.
+        EmulatedHosts._made += 1
+        tag = tag if tag is not None else f"{os.getpid() % 100000}{chr(ord('a') + EmulatedHosts._made % 26)}"
         self.prefix = f"{PREFIX}{tag}"
         self.namespaces = [f"{self.prefix}h{index}" for index in range(1, count + 1)]
         self.bridge = f"{self.prefix}br"
@@ -166,6 +171,8 @@ class EmulatedHosts(contextlib.AbstractContextManager):
         return {"HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": self.ssh}
 
     def close(self):
+        for outer in self.outer:
+            run("ip", "link", "del", outer, check=False)
         for namespace in self.namespaces:
             _kill_processes_in(namespace)
             run("ip", "netns", "del", namespace, check=False)
