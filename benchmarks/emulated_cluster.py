@@ -331,8 +331,8 @@ def print_summary(results, links, labels, file=sys.stdout):
     """The docs' table: per model, link and p, each variant's efficiency (median, IQR) and the
     compute-only step."""
     shown = [label for label in labels if label != "compute"]
-    print("| model | link | p | compute-only step ms | " + " | ".join(shown) + " |", file=file)
-    print("|---" * (4 + len(shown)) + "|", file=file)
+    print("| model | link | p | compute-only step ms | " + " | ".join(shown) + " | CPU busy (tnt) |", file=file)
+    print("|---" * (5 + len(shown)) + "|", file=file)
     for model, by_p in results.items():
         for link in links:
             for p, result in sorted(by_p.items(), key=lambda item: int(item[0])):
@@ -341,6 +341,8 @@ def print_summary(results, links, labels, file=sys.stdout):
                 for label in shown:
                     eff = rows[label]["efficiency"]
                     cells.append(f"{eff['median']:.2f} ({eff['q1']:.2f}-{eff['q3']:.2f})")
+                busy = rows.get("tnt", {}).get("machine_busy")
+                cells.append("" if busy is None else f"{busy:.0%}")
                 print("| " + " | ".join(cells) + " |", file=file)
 
 
@@ -380,7 +382,7 @@ def plot(results, links, labels, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     models = list(results)
-    figure, axes = plt.subplots(len(links), len(models), figsize=(4 * len(models), 3.3 * len(links)),
+    figure, axes = plt.subplots(len(links), len(models), figsize=(max(6, 4 * len(models)), 3.3 * len(links)),
                                 squeeze=False)
     for row, link in enumerate(links):
         for column, model in enumerate(models):
@@ -400,7 +402,7 @@ def plot(results, links, labels, path):
             axis.set_xlabel("ranks")
             axis.set_ylabel("efficiency (compute step / step)")
     axes[0][0].legend(fontsize=7)
-    figure.suptitle("Emulated cluster: efficiency per model, link and variant (median, IQR over rounds)")
+    figure.suptitle("Emulated cluster: efficiency (median, IQR over rounds)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     log(f"plot written to {path}")
@@ -588,7 +590,8 @@ def build_parser():
     profile.add_argument("--batch", type=int, default=1, help="samples per step (default 1)")
     profile.add_argument("--verbose", action="store_true", help="print every layer's times")
     report = commands.add_parser("report", help="print the tables (and --plot) of a saved `run --json` file")
-    report.add_argument("file")
+    report.add_argument("files", nargs="+", metavar="FILE.json", help="one run, or several measured with the "
+                        "same links and variants (their models and rank counts merged)")
     report.add_argument("--plot", metavar="FILE.png")
     project = commands.add_parser("project", help="model the step at large p from a profile or a trace")
     import projection
@@ -602,8 +605,15 @@ def main():
     if args.compare:
         sys.exit(0 if compare(*args.compare) else 1)
     if args.command == "report":
-        with open(args.file) as saved:
-            run = json.load(saved)
+        run = None
+        for path in args.files:  # several runs' configurations merged, in order
+            with open(path) as saved:
+                loaded = json.load(saved)
+            if run is None:
+                run = loaded
+                continue
+            for model, by_p in loaded["results"].items():
+                run["results"].setdefault(model, {}).update(by_p)
         print_table(run["results"], run["links"], run["labels"])
         print("\nEfficiency per variant (compute-only step / step, median and IQR over rounds):\n")
         print_summary(run["results"], run["links"], run["labels"])
