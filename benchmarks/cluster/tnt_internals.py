@@ -17,43 +17,52 @@ variant or probe as unavailable instead of failing.
 RING_MIN_BYTES = 1 << 20  # the nominal cut-over, as tarantella documents it for TNT_ALLREDUCE=ring
 
 
-def _communication():
+def _layout():
+    """(module holding _RING_MIN_BYTES, the object whose `_ring` or `_ring_allreduce` says whether
+    large buckets take the ring, a function summing an array in place as a bucket), or None.
+    Knows tarantella's two layouts: runtime/ (reducer.py, world.py) and the older single
+    communication.py."""
+    try:
+        from tarantella.runtime import reducer, world
+    except ImportError:
+        pass
+    else:
+        world.init()
+        reduction = world.gradient_reducer().reduction
+        from mpi4py import MPI
+        return reducer, reduction, "_ring", lambda array: reduction.reduce_dense(MPI.COMM_WORLD, array)
     try:
         from tarantella import communication
     except ImportError:
         return None
-    return communication if hasattr(communication, "init") else None
-
-
-def _communicator():
-    communication = _communication()
-    return None if communication is None else communication.init()
+    comm = communication.init()
+    return communication, comm, "_ring_allreduce", comm._allreduce_bucket
 
 
 def scale_ring_cut_over(scale):
-    communication = _communication()
-    if communication is None or not hasattr(communication, "_RING_MIN_BYTES"):
+    layout = _layout()
+    if layout is None or not hasattr(layout[0], "_RING_MIN_BYTES"):
         return False
-    communication._RING_MIN_BYTES = max(1, int(RING_MIN_BYTES / scale))
+    layout[0]._RING_MIN_BYTES = max(1, int(RING_MIN_BYTES / scale))
     return True
 
 
 def use_ring(on, default=[]):
     """Large buckets through tarantella's ring (True, the job's setting) or MPI_Allreduce (False)."""
-    comm = _communicator()
-    if comm is None or not hasattr(comm, "_ring_allreduce"):
+    layout = _layout()
+    if layout is None or not hasattr(layout[1], layout[2]):
         return False
     if not default:
-        default.append(comm._ring_allreduce)
-    comm._ring_allreduce = default[0] and on
+        default.append(getattr(layout[1], layout[2]))
+    setattr(layout[1], layout[2], default[0] and on)
     return True
 
 
 def ring_allreduce(array):
     """Sums `array` over the ranks in place as a gradient bucket would be (call on the main thread
     between windows, while tarantella's worker waits). False where the internal is gone."""
-    comm = _communicator()
-    if comm is None or not hasattr(comm, "_allreduce_bucket"):
+    layout = _layout()
+    if layout is None:
         return False
-    comm._allreduce_bucket(array)
+    layout[3](array)
     return True
