@@ -18,11 +18,11 @@ reduction time):
 
 import math
 
-RING_MIN_BYTES = 1 << 20  # tarantella.communication._RING_MIN_BYTES
+RING_MIN_BYTES = 1 << 20  # tarantella.runtime.reducer._RING_MIN_BYTES
 
 
 def plan_buckets(sizes_in_bytes, threshold_bytes):
-    """tarantella.gradients.plan_buckets for tensors of one dtype (the rule, without TensorFlow)."""
+    """tarantella.backends.fusion.plan_buckets for tensors of one dtype (the rule, without TensorFlow)."""
     buckets, pending, pending_bytes = [], [], 0
     for position, size in enumerate(sizes_in_bytes):
         if size >= threshold_bytes:
