@@ -25,15 +25,18 @@ every variant, one window of --steps timed steps each, the order reversed every 
   tnt-mpi     TNT_ALLREDUCE=mpi (MPI_Allreduce for every bucket)
   one-bucket  a fusion threshold above the model's size: one bucket, after backprop (no overlap)
   fusion-KB   fusion threshold KB KiB (nominal); --thresholds picks two (default 1024, 8192)
-  compute     the gradient allreduce removed: the compute-only step, efficiency's numerator
+  compute     the same profile model as plain Keras, no communication: the compute-only step,
+              efficiency's numerator
+  ddp         (--backend torch) torch DDP over gloo, a peer
 Per round: efficiency = compute step / step (same link, same round); step / limit, the limit
 being the variant's own schedule's: the compute-only step plus how far the last bucket's ready
 time plus its reduction on that link (measured latency, shaped rate) reaches past backprop.
 Medians over rounds with the interquartile range; a target is judged only when the whole IQR
 lies on one side of it (benchmarks/scaling.py's rules).
 
-Peers (Horovod, JAX's DataParallel, torch DDP) are not run by this command; see
-docs/benchmarks.md for why.
+Peers: with --backend torch, the variant `ddp` is torch's DistributedDataParallel (gloo) around
+the same Keras model, in the same job and rounds. Horovod and Keras' DataParallel on JAX are
+not run yet; docs/benchmarks.md says what they need.
 
 Commands:
   python benchmarks/emulated_cluster.py run [--models resnet50,transformer_big] [--ranks 2,4,8,16]
