@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from tarantella.backends.fusion import plan_buckets
+from tarantella.backends.fusion import BucketLayout, plan_buckets, round_description
 
 F32, F64 = "float32", "float64"
 
@@ -52,3 +52,15 @@ def test_two_buckets_in_one_buffer_are_refused_not_summed_twice():
     with pytest.raises(CollectiveError, match="gradient buckets 0 and 2 of this step are one buffer"):
         step.deposit(2, gradient[:])
     assert step.arrays[2] is None
+
+
+def test_the_layout_places_each_gradient_at_its_offset_in_backprop_order():
+    # Gradients 0..3 (elements) in backprop order 3, 2, 1, 0; a threshold of 40 bytes. 5 float64
+    # and 20 float32 reach it alone; the 3 float64 wait, and close when a float32 follows them.
+    layout = BucketLayout([4, 20, 3, 5], [F32, F32, F64, F64], 40, [3, 2, 1, 0])
+    assert layout.buckets == [(F64, 5, [(3, 0, 5)]), (F32, 20, [(1, 0, 20)]), (F64, 3, [(2, 0, 3)]),
+                              (F32, 4, [(0, 0, 4)])]
+    fused = BucketLayout([4, 2, 3], [F32] * 3, 1000, [2, 1, 0])
+    assert fused.buckets == [(F32, 9, [(2, 0, 3), (1, 3, 2), (0, 5, 4)])]
+    assert fused.place == {2: (0, 0, 3), 1: (0, 3, 2), 0: (0, 5, 4)}
+    assert round_description(fused.names() + ["sparse"]) == "a gradient allreduce of buckets float32[9], sparse"

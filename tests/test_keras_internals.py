@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from conftest import run_python
 from tarantella import backends
+from tarantella.backends import loss_terms
 from tarantella.backends.tensorflow import traced_step
 
 
@@ -18,17 +19,17 @@ def test_a_loss_hands_its_output_mask_and_ignored_classes_to_the_reduction_taran
     output = keras.layers.Dense(3)(keras.layers.Embedding(5, 3, mask_zero=True)(tokens))
     y_pred = keras.Model(tokens, output)(np.array([[1, 2, 3, 0]]))
     masks = []
-    original = traced_step.keras_loss.reduce_weighted_values
+    original = loss_terms.keras_loss.reduce_weighted_values
 
     def watched(values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None):
         masks.append(mask)
         return original(values, sample_weight, mask, reduction, dtype)
 
-    traced_step.keras_loss.reduce_weighted_values = watched
+    loss_terms.keras_loss.reduce_weighted_values = watched
     try:
         keras.losses.SparseCategoricalCrossentropy(ignore_class=0)(np.array([[1, 0, 2, 2]]), y_pred)
     finally:
-        traced_step.keras_loss.reduce_weighted_values = original
+        loss_terms.keras_loss.reduce_weighted_values = original
     assert len(masks) == 1, "Loss.__call__ no longer calls keras.src.losses.loss.reduce_weighted_values"
     # The output's mask (token 0 at the end) and the ignored class (target 0) combined.
     np.testing.assert_array_equal(masks[0], [[True, False, True, False]])

@@ -31,6 +31,9 @@ class Step(abc.ABC):
     # XLA may compile the step with its collectives inside (False: tnt.Model turns jit_compile off
     # on several ranks, as XLA cannot compile a host-side allreduce).
     collectives_inside_xla = True
+    # The widest float the step computes in: synchronized BatchNormalization's moment sums and the
+    # metric sums are formed in it (backends/moments.py, metric_sums.py).
+    widest_float = "float64"
 
     # -- facts of Keras' trainer on this backend --------------------------------------------------
     # Keras' fit builds an unbuilt model (or its compiled loss and metrics) from the first batch of

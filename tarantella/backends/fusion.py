@@ -5,6 +5,8 @@ first), into buckets of at least the fusion threshold, each handed to the reduce
 gradients exist, so that its sum overlaps with the rest of backprop.
 """
 
+import numpy as np
+
 # MPI has no portable 16-bit float, so 16-bit values travel, and are added, as float32.
 SIXTEEN_BIT_FLOATS = ("float16", "bfloat16")
 
@@ -39,3 +41,35 @@ def plan_buckets(sizes_in_bytes, dtypes, threshold_bytes):
     if pending:
         buckets.append(pending)
     return buckets
+
+
+class BucketLayout:
+    """Where each gradient of a step lies in the buckets of `plan_buckets`.
+
+    `sizes` (elements) and `dtypes` (the wire dtypes' names) are indexed by gradient; `order` lists
+    the indices of the gradients to place, in the order backprop produces them. `buckets` holds,
+    per bucket, its dtype name, its size in elements and its members (gradient index, offset,
+    size); `place` maps a gradient index to (bucket, offset, size)."""
+
+    def __init__(self, sizes, dtypes, threshold_bytes, order):
+        plan = plan_buckets([sizes[i] * np.dtype(dtypes[i]).itemsize for i in order],
+                            [dtypes[i] for i in order], threshold_bytes)
+        self.buckets = []
+        self.place = {}
+        for bucket_index, bucket in enumerate(plan):
+            members, offset = [], 0
+            for position in bucket:
+                index = order[position]
+                members.append((index, offset, sizes[index]))
+                self.place[index] = (bucket_index, offset, sizes[index])
+                offset += sizes[index]
+            self.buckets.append((dtypes[order[bucket[0]]], offset, members))
+
+    def names(self):
+        """Each bucket as "dtype[size]", for the description of a gradient round."""
+        return [f"{dtype}[{size}]" for dtype, size, _ in self.buckets]
+
+
+def round_description(bucket_names):
+    """What a step's sequence of collectives says of its gradient round."""
+    return "a gradient allreduce of buckets " + ", ".join(bucket_names)

@@ -1,12 +1,13 @@
-"""Compiled losses that are not a mean over the micro-batch's entries, on the JAX and PyTorch backends.
+"""Compiled losses that are not a mean over the micro-batch's entries, made global on every backend.
 
 Weighting a rank's loss by its share m/B gives the serial loss when the loss is a mean over
 the micro-batch's entries. A mask (an output mask such as `mask_zero=True`'s, or
 `ignore_class`), `reduction="sum"`, or `reduction="mean_with_sample_weight"` with weights
-divides by something else. `global_loss_terms` makes such a loss global, as the TensorFlow
-step does (backends/tensorflow/step.py's _GlobalLossTerm): the rank's divisor is summed over ranks and the
-value rescaled. The JAX step sums it in an ordered callback inside the jitted step, the torch
-step in a collective of its own while the loss is computed.
+divides by something else. `global_loss_terms` makes such a loss global: the rank's divisor is
+summed over ranks and the value rescaled. The arithmetic is float32, the dtype of Keras' own loss
+reduction (docs/architecture.md, "One dtype for the loss terms"); the sum over ranks is the
+step's: an op of the traced step on TensorFlow, an ordered callback inside the jitted step on
+JAX, a collective of its own while the loss is computed on torch.
 """
 
 import contextlib
@@ -18,11 +19,16 @@ from keras.src.losses import loss as keras_loss
 
 _MEAN_REDUCTIONS = ("mean", "sum_over_batch_size")
 
+# The dtype of the divisors and factors: float32, as Keras' own reduction; float64 moved no loss
+# closer to serial Keras on any backend (benchmarks/loss_term_dtype.py, docs/architecture.md).
+ARITHMETIC_DTYPE = "float32"
+
 
 @contextlib.contextmanager
 def global_loss_terms(compile_loss, inverse_share, sum_over_ranks):
     """While a step is traced: every term of the built `compile_loss`, weighted by the rank's share
-    m/B (`inverse_share` is B/m, 0 without samples), sums over the ranks to the serial loss.
+    m/B, sums over the ranks to the serial loss. `inverse_share()` returns B/m (0 without samples),
+    asked for only where a term needs it (on TensorFlow, asking may open the step);
     `sum_over_ranks(local)` returns the sum of a float32 scalar over the ranks.
     Without a built compiled loss (a model compiled without one) nothing changes."""
     terms = getattr(compile_loss, "_flat_losses", None)  # Keras private; tests/test_keras_internals.py checks it
@@ -55,7 +61,7 @@ class _GlobalLossTerm:
     def __call__(self, y_true, y_pred, sample_weight=None):
         if getattr(self._loss, "reduction", "sum_over_batch_size") == "sum":
             value = self._loss(y_true, y_pred, sample_weight)
-            return value * ops.cast(self._inverse_share, value.dtype)
+            return value * ops.cast(self._inverse_share(), value.dtype)
         original = keras_loss.reduce_weighted_values
 
         def reduce_globally(values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None):
@@ -63,8 +69,10 @@ class _GlobalLossTerm:
             local = _local_divisor(values, sample_weight, mask, reduction, dtype)
             if local is None:
                 return value  # a mean over the micro-batch's entries: the share is the right weight
-            local = ops.where(self._inverse_share > 0, local, 0.0)
-            factor = ops.divide_no_nan(local, self._sum_over_ranks(local)) * self._inverse_share
+            inverse_share = ops.cast(self._inverse_share(), ARITHMETIC_DTYPE)
+            local = ops.where(inverse_share > 0, local, ops.zeros_like(local))
+            total = ops.cast(self._sum_over_ranks(local), ARITHMETIC_DTYPE)
+            factor = ops.divide_no_nan(local, total) * inverse_share
             return value * ops.cast(factor, value.dtype)
 
         keras_loss.reduce_weighted_values = reduce_globally
@@ -75,13 +83,13 @@ class _GlobalLossTerm:
 
 
 def _local_divisor(values, sample_weight, mask, reduction, dtype):
-    """What Keras's mean reduction divides the micro-batch's summed loss by (float32), or None
+    """What Keras's mean reduction divides the micro-batch's summed loss by (ARITHMETIC_DTYPE), or None
     where that is the number of entries, which the rank's share already accounts for."""
     if len(getattr(values, "shape", ())) == 0:
         return None  # Keras returns a scalar unreduced
     if reduction in _MEAN_REDUCTIONS:
         # A mask weights the unmasked entries by entries/unmasked: the mean of the unmasked ones.
-        return None if mask is None else ops.sum(ops.cast(mask, "float32"))
+        return None if mask is None else ops.sum(ops.cast(mask, ARITHMETIC_DTYPE))
     if reduction == "mean_with_sample_weight":
         as_tensor = lambda t: None if t is None else ops.convert_to_tensor(t, dtype)
         weights = keras_loss.apply_mask(as_tensor(sample_weight), as_tensor(mask), dtype=values.dtype,
@@ -89,5 +97,5 @@ def _local_divisor(values, sample_weight, mask, reduction, dtype):
         if weights is None:
             return None
         _, weights = keras_loss.squeeze_or_expand_to_same_rank(values, ops.cast(weights, values.dtype))
-        return ops.sum(ops.cast(weights, "float32"))  # Keras divides by the summed weights
+        return ops.sum(ops.cast(weights, ARITHMETIC_DTYPE))  # Keras divides by the summed weights
     return None  # no reduction

@@ -66,7 +66,7 @@ from jax.experimental.buffer_callback import buffer_callback
 # tests/test_keras_internals.py checks that the layer still calls it.
 from keras.src.backend.jax import nn as keras_jax_nn
 
-from tarantella.backends import fusion, loss_terms
+from tarantella.backends import fusion, loss_terms, metric_sums, moments
 from tarantella.backends.base import Step
 from tarantella.backends.rows import at_least_one_row
 from tarantella.backends.jax import devices as jax_devices
@@ -83,6 +83,9 @@ class JaxStep(Step):
     backend_name = "JAX"
     keras_builds_from_an_extra_pass = True
     keras_steps_take_arrays = True
+    # JAX has no float64 unless x64 is switched on for the whole process; the sums over the ranks
+    # are still added in float64, on the host.
+    widest_float = "float32"
 
     @classmethod
     def check_platform(cls):
@@ -241,7 +244,7 @@ class JaxStep(Step):
                                  jax.ShapeDtypeStruct((1,), jnp.float32), local, ordered=True)
             return summed[0]
 
-        return loss_terms.global_loss_terms(compile_loss, inverse_share, sum_over_ranks)
+        return loss_terms.global_loss_terms(compile_loss, lambda: inverse_share, sum_over_ranks)
 
     @contextlib.contextmanager
     def _global_moments(self, sequence, contributes):
@@ -272,28 +275,9 @@ class JaxStep(Step):
             keras_jax_nn.moments = original
 
     def _moments_of_every_rank(self, sequence, contributes, x, axes, keepdims):
-        dtype = x.dtype
-        # As Keras: float16 statistics are taken in float32.
-        compute = jnp.float32 if dtype in (jnp.float16, jnp.bfloat16) else dtype
-        x = x.astype(compute)
-        axes = tuple(axes)
-        count = float(np.prod([x.shape[a] for a in axes]))  # static, as every shape in a jitted step
-        # Serial Keras' two-pass moments of the micro-batch.
-        mean = jnp.mean(x, axes, keepdims=True)
-        variance = jnp.var(x, axis=axes, keepdims=True)
-        shape = mean.shape
-        local = jnp.concatenate([jnp.ravel(count * mean), jnp.ravel(count * (variance + jnp.square(mean))),
-                                 jnp.full((mean.size,), count, compute)])
-        # A rank without samples sends zeros, but keeps `local` in its differentiated program: its
-        # backward allreduce must run as on the other ranks (zeros_like would drop it).
-        local = jnp.where(jnp.asarray(contributes), local, jnp.zeros_like(local))
+        local, shape, axes = moments.local_sums(x, axes, self.widest_float, contributes)
         summed = self._summed_with_summed_gradients(sequence, contributes, local)
-        total, squares, counts = [piece.reshape(shape) for piece in jnp.split(summed, 3)]
-        mean = total / counts
-        variance = jnp.maximum(squares / counts - jnp.square(mean), 0.0)
-        if not keepdims:
-            mean, variance = jnp.squeeze(mean, axes), jnp.squeeze(variance, axes)
-        return mean.astype(dtype), variance.astype(dtype)
+        return moments.global_moments(summed, shape, axes, keepdims, x.dtype)
 
     def _summed_with_summed_gradients(self, sequence, contributes, local):
         """The sum over ranks of `local`, whose cotangent is the sum over ranks of the cotangents."""
@@ -322,12 +306,10 @@ class JaxStep(Step):
         """The sum over ranks of the (share-weighted) `grads`, and one summed bucket that later
         collectives of the step take as an input, so that they run after this one; a rank that
         does not contribute sends zeros (its zero row's gradients may hold NaN)."""
-        backprop_order = list(reversed(range(len(grads))))
-        wire = [g if fusion.wire_dtype(g.dtype.name) == g.dtype.name else g.astype(fusion.wire_dtype(g.dtype.name))
-                for g in grads]
-        plan = fusion.plan_buckets([wire[i].size * wire[i].dtype.itemsize for i in backprop_order],
-                                   [wire[i].dtype for i in backprop_order], self._threshold_bytes)
-        members = [[backprop_order[k] for k in bucket] for bucket in plan]
+        wire = [g.astype(fusion.wire_dtype(g.dtype.name)) for g in grads]
+        layout = fusion.BucketLayout([g.size for g in wire], [g.dtype.name for g in wire], self._threshold_bytes,
+                                     list(reversed(range(len(grads)))))
+        members = [[index for index, _, _ in bucket_members] for _, _, bucket_members in layout.buckets]
         if not members:
             return grads, None
         # A gradient alone in its bucket (every one that reaches the fusion threshold) is handed
@@ -339,7 +321,7 @@ class JaxStep(Step):
         waited_for = () if contributes else tuple(buckets)
         if not contributes:
             buckets = [jnp.zeros_like(b) for b in buckets]
-        sequence.append("a gradient allreduce of buckets " + ", ".join(f"{b.dtype}[{b.size}]" for b in buckets))
+        sequence.append(fusion.round_description(layout.names()))
         # Each bucket is summed in place, in the buffer XLA computed it in (aliased from the
         # callback's input to its output): the worker reads and writes it there, so no bucket is
         # copied and no fresh output buffer is faulted in (for the MLP of benchmarks/scaling.py,
@@ -352,15 +334,12 @@ class JaxStep(Step):
             summed = io_callback(functools.partial(self._sum_copies, len(buckets)), specs, *buckets, *waited_for,
                                  ordered=True)
         result = list(grads)
-        for bucket, total in zip(members, summed):
-            if len(bucket) == 1:
-                result[bucket[0]] = total.astype(grads[bucket[0]].dtype)
+        for (_, _, bucket_members), total in zip(layout.buckets, summed):
+            if len(bucket_members) == 1:
+                result[bucket_members[0][0]] = total.astype(grads[bucket_members[0][0]].dtype)
                 continue
-            offset = 0
-            for i in bucket:
-                piece = total[offset:offset + wire[i].size]
-                result[i] = piece.reshape(grads[i].shape).astype(grads[i].dtype)
-                offset += wire[i].size
+            for i, offset, size in bucket_members:
+                result[i] = total[offset:offset + size].reshape(grads[i].shape).astype(grads[i].dtype)
         return result, jnp.ravel(summed[0])[:1]
 
     def _sum_in_place(self, context, sums, *buckets_and_unread):
@@ -387,16 +366,14 @@ class JaxStep(Step):
         gradient sum's callback is in no ordered chain of callbacks."""
         if not increments:
             return metric_state
-        flat = jnp.concatenate([jnp.ravel(v).astype(jnp.float32) for v in increments])
+        flat = metric_sums.flat(increments, self.widest_float)
         if not contributes:
             flat = jnp.zeros_like(flat)
         what = Collective.LOSSES_AND_METRICS
         sequence.append(f"{what.what} of float32[{flat.size}]")
         summed = io_callback(functools.partial(self._sum_in_float64, what), jax.ShapeDtypeStruct(flat.shape,
                              jnp.float32), flat, *(() if after is None else (after,)), ordered=True)
-        offsets = np.cumsum([v.size for v in increments])[:-1]
-        return [before + piece.reshape(before.shape).astype(before.dtype)
-                for before, piece in zip(metric_state, jnp.split(summed, offsets))]
+        return [before + piece for before, piece in zip(metric_state, metric_sums.pieces(summed, metric_state))]
 
     def _sum_in_float64(self, what, vector, *unread):
         # JAX computes in float32 unless x64 is on; the ranks' increments are added in float64.

@@ -53,12 +53,12 @@ class GradientAllreduce:
         sparse = {i for i in backprop_order if isinstance(gradients[i], tf.IndexedSlices)}
         dense = {i: self._to_wire(tf.reshape(gradients[i], variables[i].shape))
                  for i in backprop_order if i not in sparse}
-        dense_order = [i for i in backprop_order if i not in sparse]
-        plan = fusion.plan_buckets([_nbytes(variables[i].shape, dense[i].dtype) for i in dense_order],
-                            [dense[i].dtype for i in dense_order], self._threshold_bytes)
+        sizes = {i: int(np.prod(variables[i].shape)) for i in dense}
+        layout = fusion.BucketLayout(sizes, {i: dense[i].dtype.name for i in dense}, self._threshold_bytes,
+                                     [i for i in backprop_order if i not in sparse])
         # Sparse gradients go last: backprop reaches embeddings (the first layers) last.
-        items = [[dense_order[k] for k in bucket] for bucket in plan] + [[i] for i in backprop_order
-                                                                         if i in sparse]
+        items = [[i for i, _, _ in members] for _, _, members in layout.buckets] + [
+            [i] for i in backprop_order if i in sparse]
         if not items:
             if opening is not None:
                 raise ValueError("A gradient round without gradients cannot open its step.")
@@ -71,10 +71,8 @@ class GradientAllreduce:
             tf.cast(opening[0], tf.int64), tf.cast(opening[1], tf.float64), tf.cast(opening[2], tf.float64)]
         opens = step_sequence if opening is not None else None
         if agreed:
-            step_sequence.append("a gradient allreduce of buckets " + ", ".join(
-                "sparse" if members[0] in sparse else
-                f"{dense[members[0]].dtype.name}[{sum(int(np.prod(variables[i].shape)) for i in members)}]"
-                for members in items))
+            sparse_names = ["sparse"] * (len(items) - len(layout.buckets))
+            step_sequence.append(fusion.round_description(layout.names() + sparse_names))
         handed_over, result_dtypes = [], []
         for index, members in enumerate(items):
             submit = functools.partial(self._submit, index, len(items), agreed, opens)
@@ -100,9 +98,9 @@ class GradientAllreduce:
                                                  tf.cast(indices, slices.indices.dtype), slices.dense_shape)
                 continue
             flat = next(reduced)
-            sizes = [int(np.prod(variables[i].shape)) for i in members]
-            flat.set_shape([sum(sizes)])
-            pieces = tf.split(flat, sizes) if len(members) > 1 else [flat]
+            member_sizes = [sizes[i] for i in members]
+            flat.set_shape([sum(member_sizes)])
+            pieces = tf.split(flat, member_sizes) if len(members) > 1 else [flat]
             for i, piece in zip(members, pieces):
                 result[i] = tf.cast(tf.reshape(piece, variables[i].shape), gradients[i].dtype)
         if opening is None:
@@ -152,7 +150,3 @@ class GradientAllreduce:
         if opened:
             flat.append(np.float64(self._reducer.global_samples))
         return flat
-
-
-def _nbytes(shape, dtype):
-    return int(np.prod(shape)) * dtype.size

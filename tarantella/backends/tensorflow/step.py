@@ -39,6 +39,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tarantella.backends import metric_sums, rows
 from tarantella.backends.base import Step
 from tarantella.backends.tensorflow import devices
 from tarantella.backends.tensorflow.gradients import GradientAllreduce
@@ -197,17 +198,16 @@ class TensorFlowStep(Step):
         increments = [v.value for v in variables]
         self._record_local(variables, increments, has_samples)
 
-        weights = [step.share if step.fed_per_batch(v) else 1.0 for v in variables]
         leaves = tf.nest.flatten(logs)
         numbers = {i: leaf for i, leaf in enumerate(leaves) if id(leaf) not in step.results and _is_number(leaf)}
-        parts = [tf.reshape(tf.cast(inc, tf.float64), [-1]) * w for inc, w in zip(increments, weights)]
-        parts += [tf.reshape(tf.cast(value, tf.float64), [-1]) * step.share for value in numbers.values()]
-        summed = self._allreduce(tf.where(has_samples, tf.concat(parts, 0), 0.0) if parts else
-                                 tf.zeros([0], tf.float64), Collective.LOSSES_AND_METRICS)
-        pieces = iter(tf.split(summed, [int(np.prod(p.shape)) for p in parts]) if parts else [])
+        values = increments + list(numbers.values())
+        weights = [step.share if step.fed_per_batch(v) else None for v in variables] + [step.share] * len(numbers)
+        summed = self._allreduce(tf.where(has_samples, metric_sums.flat(values, self.widest_float, weights), 0.0)
+                                 if values else tf.zeros([0], tf.float64), Collective.LOSSES_AND_METRICS)
+        summed_values = iter(metric_sums.pieces(summed, values) if values else [])
         for variable, before in zip(variables, saved):
-            variable.assign(before + tf.cast(tf.reshape(next(pieces), variable.shape), variable.dtype))
-        combined = {i: tf.cast(tf.reshape(next(pieces), value.shape), value.dtype) for i, value in numbers.items()}
+            variable.assign(before + next(summed_values))
+        combined = {i: next(summed_values) for i in numbers}
         return tf.nest.pack_sequence_as(logs, step.recompute(leaves, combined))
 
     def _record_local(self, variables, increments, has_samples):
@@ -302,7 +302,8 @@ def _keras_call_on_exhausted_data(model, kind, global_batch_spec):
 
 
 def _at_least_one_row(data):
-    """The batch and its number of rows m; with m == 0 the batch becomes one zero row."""
+    """The batch and its number of rows m (a tensor); with m == 0 the batch becomes one zero row
+    (backends/rows.py) behind a graph conditional."""
     leaves = tf.nest.flatten(data)
     batched = [i for i, leaf in enumerate(leaves) if isinstance(leaf, tf.Tensor) and leaf.shape.rank]
     # The count must wait for the input even where the batch size is static (drop_remainder), when
@@ -316,8 +317,8 @@ def _at_least_one_row(data):
         samples = tf.identity(tf.shape(tensors[0])[0])
     if any(t.shape[0] is not None and t.shape[0] > 0 for t in tensors):
         return data, samples  # a static, non-empty batch needs no guard
-    zero_rows = lambda: [tf.zeros(tf.concat([[1], tf.shape(t)[1:]], 0), t.dtype) for t in tensors]
-    guarded = tf.cond(samples > 0, lambda: [tf.identity(t) for t in tensors], zero_rows)
+    guarded = tf.cond(samples > 0, lambda: [tf.identity(t) for t in tensors],
+                      lambda: [rows.zero_row(t) for t in tensors])
     for new, old in zip(guarded, tensors):
         new.set_shape([None] + old.shape[1:])
     for i, new in zip(batched, guarded):

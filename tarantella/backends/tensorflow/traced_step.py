@@ -8,17 +8,12 @@ import contextlib
 import keras
 import numpy as np
 import tensorflow as tf
-# Keras computes synchronized BatchNormalization's moments, and reduces a loss under its mask
-# and sample weights, in private functions; tests/test_keras_internals.py checks both.
+# Keras computes synchronized BatchNormalization's moments in a private function;
+# tests/test_keras_internals.py checks it.
 from keras.src.backend.tensorflow import nn as keras_tensorflow_nn
-from keras.src.losses import loss as keras_loss
 
+from tarantella.backends import loss_terms, moments
 from tarantella.runtime.kinds import Collective
-
-_keras_reduce_weighted_values = keras_loss.reduce_weighted_values
-
-_MEAN_REDUCTIONS = ("mean", "sum_over_batch_size")
-
 
 class StepState:
     """What one traced step knows about the global batch, and the hooks it installs."""
@@ -157,20 +152,11 @@ class StepState:
         return apply
 
     def _global_moments(self, x, axes, keepdims):
-        """Synchronized BatchNormalization: the mean and variance of the whole global batch.
-
-        Each rank takes its micro-batch's moments as serial Keras takes a batch's (two passes,
-        tf.nn.moments), and the ranks combine them in float64, without the cancellation of a
-        float32 sum of squares: one allreduce of (n * mean, n * (variance + mean^2), n) per layer
-        call, in forward order; its gradient is the allreduce of the incoming gradients, in
-        backward order."""
-        mean, variance = [tf.cast(t, tf.float64) for t in tf.nn.moments(x, axes, keepdims=True)]
-        count = tf.reduce_prod(tf.gather(tf.cast(tf.shape(x), tf.float64), axes)) * tf.ones_like(mean)
-        shape = tf.shape(mean)
-        flat = tf.concat([tf.reshape(t, [-1]) for t in (count * mean, count * (variance + tf.square(mean)), count)], 0)
-        flat = tf.where(self.has_samples, flat, tf.zeros_like(flat))
+        """Synchronized BatchNormalization: the mean and variance of the whole global batch
+        (backends/moments.py), from one float64 allreduce per layer call, in forward order; its
+        gradient is the allreduce of the incoming gradients, in backward order."""
+        local, shape, axes = moments.local_sums(x, axes, self._runner.widest_float, self.has_samples)
         runner = self._runner
-
         share = self.share
         step = self
 
@@ -185,79 +171,14 @@ class StepState:
                 return tf.math.divide_no_nan(runner._allreduce(upstream * share, what), share)
             return runner._allreduce(vector, Collective.BATCHNORM_MOMENTS), grad
 
-        total, squares, count = [tf.reshape(t, shape) for t in tf.split(allreduce(flat), 3)]
-        mean = tf.math.divide_no_nan(total, count)
-        variance = tf.maximum(tf.math.divide_no_nan(squares, count) - tf.square(mean), 0.0)
-        mean, variance = tf.cast(mean, x.dtype), tf.cast(variance, x.dtype)
-        if not keepdims:
-            mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
-        return mean, variance
+        return moments.global_moments(allreduce(local), shape, axes, keepdims, x.dtype)
 
-    @contextlib.contextmanager
     def _global_loss_terms(self, compile_loss):
-        terms = compile_loss._flat_losses  # Keras private; tests/test_keras_internals.py checks it
-        originals = list(terms)
-        terms[:] = [term._replace(loss=_GlobalLossTerm(term.loss, self)) for term in originals]
-        try:
-            yield
-        finally:
-            terms[:] = originals
+        def sum_over_ranks(local):
+            vector = tf.reshape(tf.cast(local, tf.float64), [1])
+            return self._runner._allreduce(vector, Collective.LOSS_DIVISOR)[0]
 
-
-class _GlobalLossTerm:
-    """A compiled loss whose value, weighted by the rank's share, sums to the serial loss.
-
-    Keras's `Loss.__call__` combines the output's mask with the mask its `call` puts on the
-    per-entry losses (`ignore_class`), merges it with `sample_weight`, and hands all of it to
-    `reduce_weighted_values`. That function is replaced during the call, so the rank's divisor
-    is read from exactly what Keras divides by, whatever made the mask."""
-
-    def __init__(self, loss, step):
-        self._loss = loss
-        self._step = step
-
-    def __getattr__(self, name):
-        return getattr(self._loss, name)
-
-    def __call__(self, y_true, y_pred, sample_weight=None):
-        step = self._step
-        if getattr(self._loss, "reduction", "sum_over_batch_size") == "sum":
-            value = self._loss(y_true, y_pred, sample_weight)
-            return value * tf.cast(step.inverse_share, value.dtype)
-        with _module_override(keras_loss, "reduce_weighted_values", self._reduce_globally):
-            return self._loss(y_true, y_pred, sample_weight)
-
-    def _reduce_globally(self, values, sample_weight=None, mask=None, reduction="sum_over_batch_size",
-                         dtype=None):
-        """Keras's reduction, rescaled from the rank's divisor to the global batch's."""
-        value = _keras_reduce_weighted_values(values, sample_weight, mask, reduction, dtype)
-        local = _local_divisor(values, sample_weight, mask, reduction, dtype)
-        if local is None:
-            return value  # a mean over the micro-batch's entries: the share is the right weight
-        step = self._step
-        local = tf.where(step.has_samples, local, 0.0)
-        total = step._runner._allreduce(tf.reshape(local, [1]), Collective.LOSS_DIVISOR)[0]
-        factor = tf.math.divide_no_nan(local, total) * step.inverse_share
-        return value * tf.cast(factor, value.dtype)
-
-
-def _local_divisor(values, sample_weight, mask, reduction, dtype):
-    """What Keras's mean reduction divides the micro-batch's summed loss by (float64), or None
-    where that is the number of entries, which the rank's share already accounts for."""
-    if values.shape.rank == 0:
-        return None  # Keras returns a scalar unreduced
-    if reduction in _MEAN_REDUCTIONS:
-        # A mask weights the unmasked entries by entries/unmasked: the mean of the unmasked ones.
-        return None if mask is None else tf.reduce_sum(tf.cast(mask, tf.float64))
-    if reduction == "mean_with_sample_weight":
-        as_tensor = lambda t: None if t is None else keras.ops.convert_to_tensor(t, dtype)
-        weights = keras_loss.apply_mask(as_tensor(sample_weight), as_tensor(mask), dtype=values.dtype,
-                                        reduction=reduction)
-        if weights is None:
-            return None
-        _, weights = keras_loss.squeeze_or_expand_to_same_rank(values, tf.cast(weights, values.dtype))
-        return tf.reduce_sum(tf.cast(weights, tf.float64))  # Keras divides by the summed weights
-    return None  # no reduction
+        return loss_terms.global_loss_terms(compile_loss, lambda: self.inverse_share, sum_over_ranks)
 
 
 @contextlib.contextmanager

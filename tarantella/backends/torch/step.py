@@ -46,7 +46,7 @@ import torch
 # tests/test_keras_internals.py checks that the layer still calls it.
 from keras.src.backend.torch import nn as keras_torch_nn
 
-from tarantella.backends import fusion, loss_terms
+from tarantella.backends import fusion, loss_terms, metric_sums, moments
 from tarantella.backends.base import Step
 from tarantella.backends.rows import at_least_one_row
 from tarantella.backends.tensorflow import devices as tensorflow_devices
@@ -166,7 +166,7 @@ class TorchStep(Step):
             return float(self._comm.allreduce_sum(vector, Collective.LOSS_DIVISOR)[0])
 
         inverse_share = global_samples / samples if samples else 0.0
-        return loss_terms.global_loss_terms(compile_loss, inverse_share, sum_over_ranks)
+        return loss_terms.global_loss_terms(compile_loss, lambda: inverse_share, sum_over_ranks)
 
     def predict(self, data):
         """Every rank's predictions of the global batch, in sample order."""
@@ -199,15 +199,14 @@ class TorchStep(Step):
     def _global_metrics(self, metric_variables, state_before, contributes):
         """Adds every rank's metric increments to the state before the step; returns Keras' logs."""
         if metric_variables:
-            increments = np.concatenate([np.ravel(v.numpy()).astype(np.float64) for v in metric_variables])
+            increments = metric_sums.flat([v.value for v in metric_variables], self.widest_float)
+            increments = keras.ops.convert_to_numpy(increments)
             if not contributes:
                 increments = np.zeros_like(increments)
             summed = self._comm.allreduce_sum(increments, _METRICS, agreed=True)
-            offset = 0
-            for variable, before in zip(metric_variables, state_before):
-                piece = summed[offset:offset + before.size].reshape(before.shape)
-                variable.assign((before + piece).astype(before.dtype))
-                offset += before.size
+            pieces = metric_sums.pieces(summed, state_before)
+            for variable, before, piece in zip(metric_variables, state_before, pieces):
+                variable.assign(before + keras.ops.convert_to_numpy(piece))
         return self._model.get_metrics_result()
 
 
@@ -230,30 +229,13 @@ def _global_moments(communicator, gradient_round, contributes):
 
 
 def _moments_of_every_rank(communicator, gradient_round, contributes, x, axes, keepdims):
-    """The mean and variance of the global batch: each rank's two-pass moments of its micro-batch,
-    combined in float64 without the cancellation of a float32 sum of squares."""
+    """The mean and variance of the global batch (backends/moments.py), summed in float64."""
     x = keras_torch_nn.convert_to_tensor(x)
-    dtype = x.dtype
-    axes = [a % x.dim() for a in (axes if isinstance(axes, (list, tuple)) else [axes])]
-    compute = x.float() if dtype in (torch.float16, torch.bfloat16) else x
-    count = float(np.prod([x.shape[a] for a in axes]))
-    mean = torch.mean(compute, dim=axes, keepdim=True).double()
-    variance = torch.var(compute, dim=axes, keepdim=True, correction=0).double()
-    shape = mean.shape
-    local = torch.cat([torch.flatten(count * mean), torch.flatten(count * (variance + torch.square(mean))),
-                       torch.full((mean.numel(),), count, dtype=torch.float64, device=mean.device)])
-    # A rank without samples sends zeros, but keeps `local` in its autograd graph: its backward
-    # allreduce must run as on the other ranks.
-    local = torch.where(torch.tensor(contributes, device=local.device), local, torch.zeros_like(local))
+    local, shape, axes = moments.local_sums(x, axes, TorchStep.widest_float, contributes)
     if local.requires_grad and torch.is_grad_enabled():  # autograd will run its backward
         gradient_round.expect_moments_gradients()
     summed = _SumOverRanks.apply(local, communicator, gradient_round, contributes)
-    total, squares, counts = [piece.reshape(shape) for piece in torch.split(summed, mean.numel())]
-    mean = total / counts
-    variance = torch.clamp(squares / counts - torch.square(mean), min=0.0)
-    if not keepdims:
-        mean, variance = torch.squeeze(mean, axes), torch.squeeze(variance, axes)
-    return mean.to(dtype), variance.to(dtype)
+    return moments.global_moments(summed, shape, axes, keepdims, x.dtype)
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -293,23 +275,12 @@ class _BucketPlan:
 
     def __init__(self, variables, threshold_bytes, on_ready):
         self.variables = variables
-        backprop_order = list(reversed(range(len(variables))))
-        wire = [_wire_dtype(v) for v in variables]
-        plan = fusion.plan_buckets([int(np.prod(variables[i].shape)) * wire[i].itemsize for i in backprop_order],
-                                      [wire[i] for i in backprop_order], threshold_bytes)
-        self.buckets = []  # (dtype, size, [(variable index, offset, size)])
-        self.place = {}  # variable index -> (bucket, offset, size)
-        for bucket_index, bucket in enumerate(plan):
-            members, offset = [], 0
-            for k in bucket:
-                i = backprop_order[k]
-                size = int(np.prod(variables[i].shape))
-                members.append((i, offset, size))
-                self.place[i] = (bucket_index, offset, size)
-                offset += size
-            self.buckets.append((wire[backprop_order[bucket[0]]], offset, members))
-        self.description = "a gradient allreduce of buckets " + ", ".join(
-            f"{np.dtype(dtype).name}[{size}]" for dtype, size, _ in self.buckets)
+        layout = fusion.BucketLayout([int(np.prod(v.shape)) for v in variables],
+                                     [fusion.wire_dtype(keras.backend.standardize_dtype(v.dtype)) for v in variables],
+                                     threshold_bytes, list(reversed(range(len(variables)))))
+        self.buckets = layout.buckets  # (dtype name, size, [(variable index, offset, size)])
+        self.place = layout.place  # variable index -> (bucket, offset, size)
+        self.description = fusion.round_description(layout.names())
         self._hooks = [v.value.register_post_accumulate_grad_hook(
             lambda parameter, position=i: on_ready(position, parameter)) for i, v in enumerate(variables)]
 
@@ -425,11 +396,6 @@ def _applying_summed_gradients(optimizer, gradient_round):
         yield
     finally:
         del optimizer.apply
-
-
-def _wire_dtype(variable):
-    dtype = np.dtype(keras.backend.standardize_dtype(variable.dtype))
-    return np.dtype(fusion.wire_dtype(dtype.name))
 
 
 def _metrics_description(metric_variables):
