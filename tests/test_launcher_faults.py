@@ -55,12 +55,12 @@ def stop_leftovers(launcher, marker):
             pass
 
 
-def run_plain_job(scenario, timeout, **popen):
+def run_plain_job(scenario, timeout, env=None, **popen):
     """Runs `tarantella -n 2 -- plain_ranks.py SCENARIO` to its end; returns (returncode, stdout,
     stderr, seconds). Whatever happens, nothing it started outlives it."""
     marker = f"marker-{uuid.uuid4().hex}"
     started = time.monotonic()
-    launcher = start("-n", "2", "--no-gpu", "--", str(PLAIN), scenario, marker,
+    launcher = start("-n", "2", "--no-gpu", "--", str(PLAIN), scenario, marker, env=env,
                      **{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen})
     try:
         stdout, stderr = launcher.communicate(timeout=timeout)
@@ -115,13 +115,38 @@ def test_a_job_started_with_a_closed_standard_stream_runs_to_its_end(closed):
         assert "Traceback" not in output, output
 
 
-def test_a_child_process_left_running_does_not_keep_the_finished_job_alive():
+def test_a_child_process_kept_running_does_not_keep_the_finished_job_alive():
     # The child holds the rank's output pipes; the job used to end only when the child did (58-114 s).
-    returncode, stdout, stderr, seconds = run_plain_job("start-a-child", timeout=50)
+    returncode, stdout, stderr, seconds = run_plain_job("start-a-child", timeout=50,
+                                                        env={"TNT_KEEP_CHILD_PROCESSES": "true"})
     assert returncode == 0, stderr
     assert seconds < 15
     assert "rank 0 done" in stdout and "rank 1 done" in stdout
     assert "a process a rank started still held the ranks' output open" in stderr, stderr
+
+
+def test_processes_the_ranks_left_running_are_ended_with_the_job_and_named():
+    marker = f"marker-{uuid.uuid4().hex}"
+    started = time.monotonic()
+    launcher = start("-n", "2", "--no-gpu", "--", str(PLAIN), "leave-helpers-running", marker,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        stdout, stderr = launcher.communicate(timeout=60)
+        left = processes_naming(marker)  # at once: the job must not end before its helpers did
+    finally:
+        stop_leftovers(launcher, marker)
+    assert launcher.returncode == 0, stderr
+    assert left == [], left
+    assert time.monotonic() - started < 20  # the stubborn helper got SIGKILL after the grace
+    assert "rank 0 done" in stdout and "rank 1 done" in stdout
+    host = socket.gethostname()
+    lines = [line for line in stderr.splitlines() if "left" in line and "running, ended now" in line]
+    assert len(lines) == 2, stderr
+    # Rank 0's helper has a session of its own; rank 1's daemon left its parent, and one ignores SIGTERM.
+    assert re.search(rf"rank 0 on host {host}: the program left 1 process running, ended now: pid \d+ \(\S+ -c "
+                     rf"import time; time.sleep\(600\) {marker}\)", stderr), stderr
+    assert f"rank 1 on host {host}: the program left 2 processes running" in stderr, stderr
+    assert all("TNT_KEEP_CHILD_PROCESSES=true keeps them" in line for line in lines)
 
 
 def _start_running_ranks(marker, scenario="run-forever"):

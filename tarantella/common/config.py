@@ -60,6 +60,9 @@ SETTINGS = {setting.name: setting for setting in (
             shown_default="no automatic backups"),
     Setting("TNT_BACKUP_EVERY_STEPS", "whole number", None, "with automatic backups, also back up after every "
             "this many steps", flag="--backup-every-steps", minimum=1, shown_default="at every epoch's end only"),
+    Setting("TNT_KEEP_CHILD_PROCESSES", "boolean", False, "processes a rank's program started and left running "
+            "outlive the rank; by default they are ended (SIGTERM, then SIGKILL after 3 s) with a line naming them",
+            shown_default="ended when the rank ends"),
     Setting("TNT_MPIEXEC", "command", None, "the MPI launcher the `tarantella` command runs: Hydra's `mpiexec`, "
             "Open MPI's `mpirun`, or `srun`", shown_default="`mpiexec` next to Python, then on `PATH`"),
     Setting("TNT_RESTART_ATTEMPT", "whole number", 0, "which attempt of the job this is: 0, then k for the k-th "
@@ -148,6 +151,11 @@ def output_on_all_devices():
 def tensorboard_on_all_devices():
     """TensorBoard writes one log folder per rank (rank_<r> inside its log_dir), not the master's only."""
     return _flag("TNT_TENSORBOARD_ON_ALL_DEVICES", _default("TNT_TENSORBOARD_ON_ALL_DEVICES"))
+
+
+def keep_child_processes():
+    """Processes a rank's program left running outlive the rank (by default they are ended)."""
+    return _flag("TNT_KEEP_CHILD_PROCESSES", _default("TNT_KEEP_CHILD_PROCESSES"))
 
 
 def log_on_all_devices():
@@ -242,7 +250,7 @@ _READERS = {
     "TNT_LOG_LEVEL": log_level, "TNT_STALL_WARNING": stall_warning_s, "TNT_START_TIMEOUT": start_timeout_s,
     "TNT_TENSORFLOW_STARTUP_LOGS": tensorflow_startup_logs, "TNT_TIMELINE": timeline_path, "TNT_MPIEXEC": None,
     "TNT_BACKUP_DIR": backup_dir, "TNT_BACKUP_EVERY_STEPS": backup_every_steps,
-    "TNT_RESTART_ATTEMPT": restart_attempt,
+    "TNT_RESTART_ATTEMPT": restart_attempt, "TNT_KEEP_CHILD_PROCESSES": keep_child_processes,
 }
 assert set(_READERS) == set(SETTINGS), "every setting in SETTINGS has its reader, and no other"
 

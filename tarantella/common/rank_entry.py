@@ -13,10 +13,16 @@ Every report carries KEY, which the command makes up for each job: a line the pr
 (an old log, a copy of another job's output) cannot pass for a report. The key is taken out
 of the program's arguments before it runs.
 
+When the program ends, the processes it started and left running are ended, after a short
+grace, with one line naming them (common/left_processes.py; TNT_KEEP_CHILD_PROCESSES=true keeps
+them).
+
 It is run as a file, not as `-m tarantella....`: importing the tarantella package would
-start MPI and TensorFlow before the program's first line.
+start MPI and TensorFlow before the program's first line; the modules of `tarantella.common` it
+uses are loaded from their files (they need the standard library only).
 """
 
+import importlib.util
 import os
 import socket
 import sys
@@ -128,6 +134,38 @@ def watch_parent():
     threading.Thread(target=watch, name=PARENT_WATCH_THREAD, daemon=True).start()
 
 
+def _common_module(name):
+    """tarantella.common.`name`, loaded from its file beside this one without importing the package,
+    and registered under its name, so that tarantella uses this very module once imported."""
+    full_name = f"tarantella.common.{name}"
+    if full_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(full_name, os.path.join(os.path.dirname(__file__), name + ".py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[full_name]
+
+
+def end_left_processes():
+    """Ends the processes the program left running, naming them in one line, unless the
+    settings keep them."""
+    config, left_processes = _common_module("config"), _common_module("left_processes")
+    try:
+        if config.keep_child_processes():
+            return
+    except ValueError as error:  # checked by the command already; a rank started by hand says so here
+        write_to_process_stderr(f"tarantella: {error}")
+        return
+    left = left_processes.left_running()
+    if not left:
+        return
+    listing = ", ".join(f"pid {pid} ({command[:200]})" for pid, command in left)
+    write_to_process_stderr(
+        f"tarantella: rank {launcher_rank()} on host {socket.gethostname()}: the program left {len(left)} "
+        f"process{'es' * (len(left) > 1)} running, ended now: {listing}. TNT_KEEP_CHILD_PROCESSES=true keeps them.")
+    left_processes.end([pid for pid, _ in left])
+
+
 def main():
     global _report_key
     # Run as a file, Python put this file's folder first on the path, where tarantella's modules
@@ -135,6 +173,7 @@ def main():
     sys.path[0] = os.getcwd()
     # tarantella, once the program imports it, reports through this module, which holds the key.
     sys.modules["tarantella.common.rank_entry"] = sys.modules[__name__]
+    _common_module("left_processes").adopt_orphans()
     arguments = sys.argv[1:]
     if arguments and arguments[0].startswith(REPORT_KEY_OPTION):
         _report_key = arguments.pop(0)[len(REPORT_KEY_OPTION):]
@@ -149,20 +188,25 @@ def main():
     except SystemExit as exit:
         status = exit.code
         if status in (None, 0):
+            end_left_processes()
             announce(FINISHED)
         else:
             status = status if isinstance(status, int) else 1
             announce(FAILED, f"exit-status-{status}", OWN_FAILURE)
+            end_left_processes()
             _abort_at_once(status)
         set_abort_status(exit)
         raise
     except KeyboardInterrupt as interrupt:
+        end_left_processes()
         set_abort_status(interrupt)
         raise
     except BaseException as error:
-        announce(FAILED, *describe_failure(error))
+        announce(FAILED, *describe_failure(error))  # first: the command names the rank that failed first
+        end_left_processes()
         set_abort_status(1)
         raise
+    end_left_processes()
     announce(FINISHED)
 
 

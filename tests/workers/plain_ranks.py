@@ -35,6 +35,25 @@ def start_a_child(marker):
     sys.stdout.write(f"rank {MPI.COMM_WORLD.Get_rank()} done\n")
 
 
+def leave_helpers_running(marker):
+    """Rank 0 starts a helper in a session of its own, rank 1 one that forks twice to leave it (as a
+    daemon does) and one that ignores SIGTERM; both finish without waiting for them."""
+    import subprocess
+    from mpi4py import MPI
+    rank = MPI.COMM_WORLD.Get_rank()
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)", marker]
+    if rank == 0:
+        subprocess.Popen(sleeper, start_new_session=True)
+    else:
+        daemon = ("import subprocess, sys; subprocess.Popen(sys.argv[1:], start_new_session=True)")
+        subprocess.run([sys.executable, "-c", daemon, *sleeper], check=True)
+        stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+        subprocess.Popen([sys.executable, "-c", stubborn, marker])
+    time.sleep(0.5)  # the helpers are running
+    MPI.COMM_WORLD.Barrier()
+    sys.stdout.write(f"rank {rank} done\n")
+
+
 def run_forever(ignore_sigterm=False):
     if ignore_sigterm:  # a program that blocks SIGTERM (or whose handler does not end it)
         import signal
@@ -83,6 +102,8 @@ def fail_on_attempts(attempts):
 if __name__ == "__main__":
     if sys.argv[1] == "start-a-child":
         start_a_child(sys.argv[2])
+    elif sys.argv[1] == "leave-helpers-running":
+        leave_helpers_running(sys.argv[2])
     elif sys.argv[1] == "fail-on-attempts":
         fail_on_attempts(sys.argv[2])
     else:
