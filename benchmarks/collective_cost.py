@@ -1,4 +1,4 @@
-"""The fixed cost of one small collective (24 bytes) through tarantella, against a bare mpi4py
+"""The fixed cost of one small collective (32 bytes) through tarantella, against a bare mpi4py
 Allreduce in the same processes (issue 22 point 4).
 
     tarantella -n 2 -- benchmarks/collective_cost.py [--rounds 10] [--calls 200]

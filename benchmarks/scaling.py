@@ -557,8 +557,8 @@ def print_agreement(analysis, measured):
             f"({label}) {count * agreement['agreement_seconds'] * 1e3:.2f} ms = "
             f"{count * agreement['agreement_seconds'] / analysis['step_seconds'][label]['median'] * 100:.1f}%"
             for label, count in counts.items())
-        line += (f".\n{'':<26}Each is a 24-byte allreduce of "
-                 f"{agreement['agreement_seconds'] * 1e6:.0f} us (a whole synchronous 24-byte collective: "
+        line += (f".\n{'':<26}Each is a 32-byte allreduce of "
+                 f"{agreement['agreement_seconds'] * 1e6:.0f} us (a whole synchronous 32-byte collective: "
                  f"{agreement['collective_seconds'] * 1e6:.0f} us); agreeing per step: {costs} of the step")
     print(line)
 

@@ -27,7 +27,7 @@ steps (tracing), and after every timed window, each rank stops between two steps
 reads its next command from its own FIFO (`--control`/go-<rank>): a blocking read, so an
 idle worker takes no CPU from the variant being timed. Commands:
   window      one step that lets the ranks fall in step again, then --steps-per-window timed steps
-  agreement   times the 24-byte agreement allreduce that opens every step and every
+  agreement   times the 32-byte agreement allreduce that opens every step and every
               collective outside steps, and a whole synchronous tarantella collective (2+ ranks)
   ring        times --steps-per-window bare ring allreduces (mpi4py) of the model's gradient
               bytes over the same ranks: the physical limit of the step's gradient traffic
@@ -221,8 +221,8 @@ def _agreements(communicator):
 
 
 def measure_agreement(communicator):
-    """Median seconds of the agreement's 24-byte allreduce alone, and of a whole synchronous
-    tarantella collective of 24 bytes (worker-thread hand-off, agreement and allreduce).
+    """Median seconds of the agreement's 32-byte allreduce alone, and of a whole synchronous
+    tarantella collective of 32 bytes (worker-thread hand-off, agreement and allreduce).
 
     The two alternate, so that both see the same load; the first calls, which absorb the
     ranks' different wake-up times, are not counted."""
@@ -230,13 +230,13 @@ def measure_agreement(communicator):
         return {"agreement_seconds": None, "collective_seconds": None}
     from mpi4py import MPI
     world = MPI.COMM_WORLD.Dup()
-    codes = np.zeros(3, np.int64)
+    codes = np.zeros(4, np.int64)
     raw, whole = [], []
     for call in range(AGREEMENT_WARMUP_CALLS + AGREEMENT_CALLS):
         started = time.perf_counter()
         world.Allreduce(MPI.IN_PLACE, codes, op=MPI.SUM)
         between = time.perf_counter()
-        communicator.allreduce_sum(codes, "the benchmark's 24-byte allreduce")
+        communicator.allreduce_sum(codes, "the benchmark's 32-byte allreduce")
         if call >= AGREEMENT_WARMUP_CALLS:
             raw.append(between - started)
             whole.append(time.perf_counter() - between)

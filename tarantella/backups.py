@@ -1,4 +1,4 @@
-"""Automatic backups of `fit`, for jobs that the `tarantella` command restarts (`--max-restarts`).
+"""Automatic backups of `fit`, for jobs the command restarts (`--max-restarts`) or stops on a warning signal.
 
 With TNT_BACKUP_DIR set (the command sets it) and no BackupAndRestore of the user's, every
 `fit` call gets an `AutomaticBackups` callback. The master writes the training state (the
@@ -7,6 +7,10 @@ every epoch, after every TNT_BACKUP_EVERY_STEPS steps, and when `fit` ends; the 
 do not wait for it. Each `fit` call has its own file, numbered in call order, and the files
 stay until the job ends well: a program restarted from its top finds a finished call's
 final state and skips its training, and resumes the unfinished one where the backup left it.
+
+With TNT_SAVE_ON_SIGNAL (`--save-on-signal`), once the ranks agreed that the cluster's warning
+reached one of them (runtime/stop_request.py), the master backs up after the step at which they
+learnt it, tells the command, and every rank ends the program there.
 
 Resuming mid-epoch: Keras always starts an epoch at step 0, so the first `step` steps of the
 resumed epoch are replayed: each takes its batch from the input, as the uninterrupted run
@@ -17,13 +21,14 @@ those of the uninterrupted run.
 """
 
 import logging
+import signal
 import time
 
 import keras
 import numpy as np
 
 from tarantella import backends
-from tarantella.common import backup_files, config
+from tarantella.common import backup_files, config, rank_entry
 from tarantella.model import loops
 from tarantella.runtime import world
 
@@ -178,12 +183,28 @@ class AutomaticBackups(keras.callbacks.Callback):
             self._steps_since_backup = 0
             return
         self._latest_logs = _scalars(logs)
+        if self._comm.stop_agreed:
+            self._backup(self._epoch, done)
+            self._stop(self._epoch, done)
         if self._every_steps and self._steps_since_backup >= self._every_steps:
             self._backup(self._epoch, done)
 
     def on_epoch_end(self, epoch, logs=None):
         self._epoch_logs[epoch] = _scalars(logs)
         self._backup(epoch + 1, 0)
+        if self._comm.stop_agreed:  # agreed during the epoch's validation
+            self._stop(epoch + 1, 0)
+
+    def _stop(self, epoch, step):
+        """Every rank ends the program here, at the same step, once the master has backed up: the
+        cluster's warning signal reached some rank (runtime/stop_request.py)."""
+        if self._comm.rank == world.MASTER_RANK:
+            where = f"epoch {epoch + 1}, step {step}" if step else f"the end of epoch {epoch}"
+            rank_entry.announce(rank_entry.SAVED, f"backed up fit #{self._fit_number} at {where} in {self._path} "
+                                                  f"on {signal.Signals(config.save_on_signal()).name}")
+        logger.info("fit #%d saved at epoch %d, step %d on the warning signal: stopping.", self._fit_number,
+                    epoch + 1, step)
+        raise SystemExit(0)
 
     def on_train_end(self, logs=None):
         self.model._initial_epoch = None  # a later fit of this model starts where its caller says

@@ -1,11 +1,11 @@
-"""Making this process a rank: MPI started, its devices chosen, the timeline on where asked for."""
+"""Making this process a rank: MPI started, its devices chosen, the timeline and the warning signal set up."""
 
 from __future__ import annotations
 
 from tarantella import backends, timeline
 from tarantella.backends import devices
 from tarantella.common import config
-from tarantella.runtime import world
+from tarantella.runtime import stop_request, world
 from tarantella.runtime.communicator import Communicator
 
 __all__ = ["init"]
@@ -36,4 +36,7 @@ def init() -> Communicator:
             backends.step_class().configure_devices(share, devices.threads_of_rank(share))
         if config.timeline_path() is not None:
             timeline.start(communicator, config.timeline_path())
+        save_signal = config.save_on_signal()
+        if save_signal is not None:
+            stop_request.listen(communicator, save_signal)
     return communicator

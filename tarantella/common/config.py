@@ -3,6 +3,7 @@
 import difflib
 import math
 import os
+import signal
 from typing import NamedTuple
 
 DEFAULT_SHUFFLE_SEED = 42
@@ -21,6 +22,10 @@ class Setting(NamedTuple):
     shown_default: str = ""  # the documentation's words for the default, where `default` alone says too little
     set_by_command: bool = False  # the `tarantella` command sets it for its own use; users leave it unset
 
+
+# The exit status of a job that saved a backup on the cluster's warning signal and stopped (EX_TEMPFAIL
+# of sysexits.h: try again later), so that a batch script can requeue exactly those jobs.
+SAVED_AND_STOPPED_STATUS = 75
 
 # Every setting a user may give (and the two the command sets for itself), in the documentation's order.
 SETTINGS = {setting.name: setting for setting in (
@@ -60,6 +65,9 @@ SETTINGS = {setting.name: setting for setting in (
             shown_default="no automatic backups"),
     Setting("TNT_BACKUP_EVERY_STEPS", "whole number", None, "with automatic backups, also back up after every "
             "this many steps", flag="--backup-every-steps", minimum=1, shown_default="at every epoch's end only"),
+    Setting("TNT_SAVE_ON_SIGNAL", "choice", None, "the cluster's warning signal: when the command or a rank "
+            "gets it, every rank stops at one step, the master backs up, and the job exits with status 75",
+            flag="--save-on-signal", choices=("USR1", "USR2", "TERM"), shown_default="off"),
     Setting("TNT_KEEP_CHILD_PROCESSES", "boolean", False, "processes a rank's program started and left running "
             "outlive the rank; by default they are ended (SIGTERM, then SIGKILL after 3 s) with a line naming them",
             shown_default="ended when the rank ends"),
@@ -151,6 +159,20 @@ def output_on_all_devices():
 def tensorboard_on_all_devices():
     """TensorBoard writes one log folder per rank (rank_<r> inside its log_dir), not the master's only."""
     return _flag("TNT_TENSORBOARD_ON_ALL_DEVICES", _default("TNT_TENSORBOARD_ON_ALL_DEVICES"))
+
+
+def save_on_signal():
+    """The signal (a `signal.Signals`) on which every rank backs up at one step and stops, or None."""
+    raw = os.environ.get("TNT_SAVE_ON_SIGNAL", "").strip().upper().removeprefix("SIG")
+    if not raw:
+        return None
+    if raw not in SETTINGS["TNT_SAVE_ON_SIGNAL"].choices:
+        raise ValueError(f"TNT_SAVE_ON_SIGNAL={os.environ['TNT_SAVE_ON_SIGNAL']!r} is not a signal tarantella saves "
+                         "on; use USR1, USR2 or TERM (e.g. with #SBATCH --signal=B:USR1@120).")
+    if backup_dir() is None:
+        raise ValueError("TNT_SAVE_ON_SIGNAL needs a backup folder to save into: set TNT_BACKUP_DIR (the "
+                         "tarantella command's --backup-dir).")
+    return getattr(signal, "SIG" + raw)
 
 
 def keep_child_processes():
@@ -251,6 +273,7 @@ _READERS = {
     "TNT_TENSORFLOW_STARTUP_LOGS": tensorflow_startup_logs, "TNT_TIMELINE": timeline_path, "TNT_MPIEXEC": None,
     "TNT_BACKUP_DIR": backup_dir, "TNT_BACKUP_EVERY_STEPS": backup_every_steps,
     "TNT_RESTART_ATTEMPT": restart_attempt, "TNT_KEEP_CHILD_PROCESSES": keep_child_processes,
+    "TNT_SAVE_ON_SIGNAL": save_on_signal,
 }
 assert set(_READERS) == set(SETTINGS), "every setting in SETTINGS has its reader, and no other"
 

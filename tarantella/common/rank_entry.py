@@ -32,7 +32,7 @@ import time
 # Every report starts so, followed at once by the job's key; the launcher imports these names.
 RANK_ANNOUNCEMENT = "tarantella-rank-announcement:"
 REPORT_KEY_OPTION = "--report-key="
-STARTED, FINISHED, FAILED = "started", "finished", "failed"
+STARTED, FINISHED, FAILED, SAVED = "started", "finished", "failed", "saved"
 # The culprit field of a failure report: the rank's own failure, or one seen in a broken MPI
 # call whose cause MPI does not tell; otherwise the number of the rank that caused it.
 OWN_FAILURE, UNKNOWN_CULPRIT = "-", "?"

@@ -35,16 +35,24 @@ def run(command, environment, ranks, hosts, start_timeout_s, mpi):
                              start_new_session=True, preexec_fn=end_with_parent)
 
     interrupted = []
+    save_signal = config.save_on_signal()
+    save_requested = []
+    monitor = OutputMonitor(report_key, child.pid, mpi, hosts, quiet_tensorflow=not config.tensorflow_startup_logs())
 
     def forward(signum, _frame):
+        if signum == save_signal and not save_requested:
+            # One rank that knows suffices: the request rides in the ranks' next agreement message,
+            # so every rank stops at the same step. A second such signal stops the job at once.
+            save_requested.append(signum)
+            monitor.signal_ranks_here(signum)
+            return
         interrupted.append(signum)
         # SIGTERM, not SIGINT: each rank would print a KeyboardInterrupt traceback. The MPI
         # launcher stops every rank on every host.
         _signal_quietly(child.pid, signal.SIGTERM)
 
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for signum in {signal.SIGINT, signal.SIGTERM, signal.SIGHUP} | ({save_signal} - {None}):
         signal.signal(signum, forward)
-    monitor = OutputMonitor(report_key, child.pid, mpi, hosts, quiet_tensorflow=not config.tensorflow_startup_logs())
     pumps = [threading.Thread(target=monitor.pass_on_stdout, args=(child.stdout,), daemon=True),
              threading.Thread(target=monitor.pass_on_stderr, args=(child.stderr,), daemon=True)]
     for pump in pumps:
@@ -82,6 +90,12 @@ def run(command, environment, ranks, hosts, start_timeout_s, mpi):
         pump.join(timeout=5)
     if interrupted:
         return _report(f"stopped every rank on {signal.Signals(interrupted[0]).name}.", 128 + interrupted[0])
+    if monitor.saved and status == 0 and not stopped_because:
+        return _report(f"{monitor.saved}; every rank stopped. The same command resumes from there (exit status "
+                       f"{config.SAVED_AND_STOPPED_STATUS}).", config.SAVED_AND_STOPPED_STATUS)
+    if save_requested and status == 0 and not stopped_because:
+        say(f"tarantella: WARNING: the job ended on its own after {signal.Signals(save_requested[0]).name} asked it to "
+            "save and stop, before a training step came: no backup was written then.")
     if stopped_because == "finished":
         say("tarantella: WARNING: every rank finished, but a process a rank started still held the ranks' "
              "output open, so the MPI launcher was stopped. Wait for the processes your program starts "

@@ -12,7 +12,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tarantella.common.rank_entry import FAILED, FINISHED, OWN_FAILURE, RANK_ANNOUNCEMENT, STARTED, UNKNOWN_CULPRIT
+from tarantella.common.rank_entry import (FAILED, FINISHED, OWN_FAILURE, RANK_ANNOUNCEMENT, SAVED, STARTED,
+                                          UNKNOWN_CULPRIT)
 from tarantella.launcher import mpis
 
 FAILURE_GRACE_S = 3.0  # after a rank reported its failure, MPI gets this long to end the job itself
@@ -76,6 +77,7 @@ class OutputMonitor:
         self.finished = set()
         self.finished_at = {}  # rank -> when it announced the end of the program
         self.failed = []  # FailureReport, in the order they arrived
+        self.saved = None  # what the master said when it backed up on the warning signal and stopped
         self.ended_at = {}  # rank -> when its process ended (ranks on this host)
         self.proxy_losses = []
         self._parents = {}  # pid of a parent of ranks on this host -> those ranks
@@ -140,6 +142,8 @@ class OutputMonitor:
         elif event == FINISHED:
             self.finished.add(rank)
             self.finished_at[rank] = time.monotonic()
+        elif event == SAVED:
+            self.saved = f"rank {rank} on host {host} " + " ".join(details)
         elif event == FAILED:
             error, culprit, summary = (details + ["an error", OWN_FAILURE, ""][len(details):])[:3]
             self.failed.append(FailureReport(rank, host, int(pid), error, culprit, summary, time.monotonic()))
@@ -187,6 +191,16 @@ class OutputMonitor:
         themselves when their parent is gone), or a grace period passed."""
         return any(all(rank in self.ended_at for rank in loss.ranks) or now - loss.at > FAILURE_GRACE_S
                    for loss in self.proxy_losses)
+
+    def signal_ranks_here(self, signum):
+        """Sends `signum` to the ranks running on this host."""
+        with self._lock:
+            handles = list(self._running_here.values())
+        for handle in handles:
+            try:
+                signal.pidfd_send_signal(handle, signum)
+            except OSError:  # it ended meanwhile
+                pass
 
     def stop_ranks_left_here(self):
         """Kills the ranks on this host that still run once the MPI launcher is gone: nothing

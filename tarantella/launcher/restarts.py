@@ -1,11 +1,13 @@
-"""`tarantella --max-restarts K`: a job whose rank fails is stopped as always, then started again,
-up to K times; each attempt resumes from the last complete backup (tarantella/backups.py).
+"""`tarantella --max-restarts K` and `--save-on-signal`: a job whose rank fails is stopped as always, then
+started again, up to K times; each attempt resumes from the last complete backup (tarantella/backups.py).
 
 Every attempt is the `tarantella` command itself, run as a child with the same arguments
 and TNT_RESTART_ATTEMPT set, so it places, starts, watches and stops the ranks exactly as a
 job without restarts (any MPI, hostfiles, Slurm). This command passes the attempt's standard
 error on, reads the attempt's last line (why it failed), and decides:
 - status 0: the job ended well; the backups are removed;
+- status 75 (`--save-on-signal`: the ranks backed up on the cluster's warning and stopped): no
+  restart, the backup stays for the next run;
 - a refused command line (`tarantella: error: ...`), Ctrl+C, SIGTERM or SIGHUP: no restart;
 - otherwise, restarts left: one line (attempt, cause, where it resumes), and the next attempt.
 With --min-ranks, each restart first asks every host of the job to run `true` through the MPI
@@ -46,6 +48,11 @@ def add_options(parser):
                             "existing backup there is resumed from")
     group.add_argument("--backup-every-steps", type=_whole_number(1), metavar="N",
                        help="also back up after every N steps (default: at every epoch's end only)")
+    group.add_argument("--save-on-signal", metavar="SIGNAL", type=_signal_name,
+                       help="the cluster's warning before walltime or preemption (USR1, USR2 or TERM; e.g. "
+                            "#SBATCH --signal=B:USR1@120): every rank stops at one step, the master backs up, "
+                            f"and the job exits with status {config.SAVED_AND_STOPPED_STATUS}; the same command "
+                            "resumes")
     group.add_argument("--min-ranks", type=_whole_number(1), metavar="M",
                        help="with a hostfile or Slurm: at a restart, leave out hosts that do not answer and "
                             "go on with the others while at least M ranks remain")
@@ -55,14 +62,16 @@ def check_options(parser, options):
     needing = [flag for flag, value in (("--backup-dir", options.backup_dir),
                                         ("--backup-every-steps", options.backup_every_steps),
                                         ("--min-ranks", options.min_ranks)) if value is not None]
-    if needing and options.max_restarts is None:
-        parser.error(f"{needing[0]} only goes with --max-restarts, e.g. tarantella --max-restarts 3 "
-                     f"{needing[0]} ... -- train.py")
+    if needing and options.max_restarts is None and options.save_on_signal is None:
+        parser.error(f"{needing[0]} only goes with --max-restarts or --save-on-signal, e.g. tarantella "
+                     f"--max-restarts 3 {needing[0]} ... -- train.py")
 
 
 def supervises(options):
-    """Whether this command runs the attempts: --max-restarts, and not itself an attempt."""
-    return options.max_restarts is not None and "TNT_RESTART_ATTEMPT" not in os.environ
+    """Whether this command runs the attempts: --max-restarts or --save-on-signal, and not itself an
+    attempt."""
+    return ((options.max_restarts is not None or options.save_on_signal is not None)
+            and "TNT_RESTART_ATTEMPT" not in os.environ)
 
 
 def main(argv, options):
@@ -72,7 +81,10 @@ def main(argv, options):
     environment = {"TNT_BACKUP_DIR": directory}
     if options.backup_every_steps:
         environment["TNT_BACKUP_EVERY_STEPS"] = str(options.backup_every_steps)
-    attempts = _Attempts(own, program, environment)
+    if options.save_on_signal:
+        environment["TNT_SAVE_ON_SIGNAL"] = options.save_on_signal
+    max_restarts = options.max_restarts or 0
+    attempts = _Attempts(own, program, environment, options.save_on_signal)
     if options.dry_run or options.cleanup:
         return attempts.run(0)[0]
     hosts, per_node = [], None
@@ -88,17 +100,19 @@ def main(argv, options):
         _say(f"tarantella: {directory} holds backups: the job resumes from {_where(directory)}.")
     attempts.catch_signals()
     reachable = hosts
-    for attempt in range(options.max_restarts + 1):
+    for attempt in range(max_restarts + 1):
         extra = [] if reachable == hosts else attempts.on_hosts(reachable, per_node, directory, attempt)
         status, cause, refused = attempts.run(attempt, extra)
         if status == 0:
             _remove_backups(directory, default=options.backup_dir is None)
             return 0
+        if status == config.SAVED_AND_STOPPED_STATUS:
+            return status  # the cluster ends the job: the backup stays for the next run, nothing restarts
         if attempts.interrupted or refused:
             break
-        if attempt == options.max_restarts:
-            if options.max_restarts:
-                _say(f"tarantella: no restart left (--max-restarts {options.max_restarts}); the job failed "
+        if attempt == max_restarts:
+            if max_restarts:
+                _say(f"tarantella: no restart left (--max-restarts {max_restarts}); the job failed "
                      f"(exit status {status}): {cause}")
             break
         _remove_partial_backups(directory)
@@ -116,7 +130,7 @@ def main(argv, options):
             if missing:
                 left_out = (f" on {len(reachable) * per_node} ranks ({per_node} on each of {', '.join(reachable)}; "
                             f"left out, not answering: {', '.join(missing)})")
-        _say(f"tarantella: restart {attempt + 1} of {options.max_restarts} after the job failed (exit status "
+        _say(f"tarantella: restart {attempt + 1} of {max_restarts} after the job failed (exit status "
              f"{status}): {cause} Resuming from {_where(directory)}{left_out}.")
     _remove_host_lists(directory)
     _remove_empty_folders(directory, default=options.backup_dir is None)  # backups stay, for a later run
@@ -126,19 +140,24 @@ def main(argv, options):
 class _Attempts:
     """Runs the job's attempts as children of this command, passing their standard error on."""
 
-    def __init__(self, own, program, environment):
+    def __init__(self, own, program, environment, save_signal=None):
         self.own, self.program, self.environment = own, program, environment
+        self.save_signal = None if save_signal is None else getattr(signal, "SIG" + save_signal)
         self.child = None
         self.interrupted = None
+        self._save_requested = False
         self._scratch = None
 
     def catch_signals(self):
         def forward(signum, _frame):
-            self.interrupted = signum
+            if signum == self.save_signal and not self._save_requested:
+                self._save_requested = True  # the attempt has its ranks save and stop; a second one stops
+            else:
+                self.interrupted = signum
             child = self.child
             if child is not None and child.poll() is None:
                 child.send_signal(signum)  # the attempt stops its ranks and says so
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for signum in {signal.SIGINT, signal.SIGTERM, signal.SIGHUP} | ({self.save_signal} - {None}):
             signal.signal(signum, forward)
 
     def run(self, attempt, extra=()):
@@ -305,6 +324,13 @@ def _stop(process):
             return
         except subprocess.TimeoutExpired:
             pass
+
+
+def _signal_name(text):
+    name = text.strip().upper().removeprefix("SIG")
+    if name not in config.SETTINGS["TNT_SAVE_ON_SIGNAL"].choices:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a signal tarantella saves on; use USR1, USR2 or TERM")
+    return name
 
 
 def _whole_number(minimum):

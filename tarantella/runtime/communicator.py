@@ -4,7 +4,7 @@ One worker thread issues every collective of the process, one at a time: synchro
 program order, the gradient buckets of a step in the order of a static plan (while backprop goes
 on, see `reducer`). So collectives never race, whatever order a framework runs its ops in.
 
-Before each collective the ranks agree on it (a 24-byte allreduce of a code of the operation), so
+Before each collective the ranks agree on it (a 32-byte allreduce of a code of the operation), so
 ranks that enter different collectives get an error naming both, never a mismatched buffer in
 MPI. A training or test step agrees once, on its whole sequence of collectives, in the message
 that also sums the ranks' micro-batch sizes: the step's opening, or, where nothing before
@@ -65,6 +65,10 @@ class Communicator:
         self.current = None
         self.last = None
         self._broken = None  # the error after which this communicator cannot be used
+        # The cluster's warning signal reached this rank (set by the signal's handler), and some
+        # rank's request has ridden in an agreement message: every rank learns it in the same one.
+        self.stop_wanted = False
+        self.stop_agreed = False
         self.peers = PeerMonitor(side_comm, self) if side_comm is not None and self.size > 1 else None
         # Agreement codes stay below this, so that size * code^2 fits in an int64.
         self._code_limit = 2 ** ((62 - self.size.bit_length()) // 2)
@@ -167,12 +171,14 @@ class Communicator:
         """Waits until every rank enters a collective; raises if they entered different ones.
 
         The ranks agree on `agree_on` of `kind` (a Collective). Returns the sum over ranks of the
-        integer `carried`, which rides in the same message, as does the comparison of `compare`
-        (see `run`). With `agree_on` None it only notes the collective: a step's opening agreed
+        integer `carried`, which rides in the same message, as do the comparison of `compare`
+        (see `run`) and whether any rank wants to save and stop (`stop_agreed` is set on all). With `agree_on` None it only notes the collective: a step's opening agreed
         on it."""
         self.current = what
         self.entered += 1
         self.compared_alike = True if self.size == 1 and compare is not None else None
+        if self.size == 1:
+            self.stop_agreed = self.stop_agreed or self.stop_wanted
         if self.size == 1 or agree_on is None:
             return carried
         self.agreements += 1
@@ -181,7 +187,7 @@ class Communicator:
         # meet. The sums of code and code^2 are size*code and size*code^2 only if every rank sent
         # this code (their variance is then zero); exact in int64 for codes below _code_limit.
         compared = [] if compare is None else [self._code(compare), self._code(compare) ** 2]
-        message = np.array([code, code * code, carried] + compared, np.int64)
+        message = np.array([code, code * code, carried, int(self.stop_wanted)] + compared, np.int64)
         self.mpi_comm.Allreduce(self.MPI.IN_PLACE, message, op=self.MPI.SUM)
         if message[0] != self.size * code or message[1] != self.size * code * code:
             everyone = self.mpi_comm.allgather((with_call(what), agree_on))
@@ -197,7 +203,8 @@ class Communicator:
             self._broken = error.summary
             raise error
         if compare is not None:
-            self.compared_alike = bool(message[3] == self.size * compared[0] and message[4] == self.size * compared[1])
+            self.compared_alike = bool(message[4] == self.size * compared[0] and message[5] == self.size * compared[1])
+        self.stop_agreed = self.stop_agreed or bool(message[3])
         return int(message[2])
 
     def _code(self, text):

@@ -14,7 +14,8 @@ before step 3 (0-based) of epoch 1 (0-based) of the first fit call (several faul
 by ";"); `how` is raise, kill
 (SIGKILL to itself), exit (os._exit(0), a rank that vanishes) or startup (raise before
 `import tarantella`, with no epoch or step). STEP_SLEEP=s sleeps s seconds after every step
-(to give an outside killer time). Rank 0 prints `fit K trained N steps` for every fit call.
+(to give an outside killer time). Rank 0 prints `fit K trained N steps` for every fit call, and
+with ANNOUNCE_STEPS=1 `fit K epoch E step S done` after every step (0-based).
 """
 
 import argparse
@@ -129,6 +130,7 @@ def main():
         wrap, is_master = tnt.Model, tnt.is_master_rank()
 
     step_sleep = float(os.environ.get("STEP_SLEEP", "0"))
+    announce_steps = os.environ.get("ANNOUNCE_STEPS") == "1" and is_master
 
     class Faults(keras.callbacks.Callback):
         def __init__(self, fit_number):
@@ -145,6 +147,8 @@ def main():
 
         def on_train_batch_end(self, batch, logs=None):
             self.trained += 1
+            if announce_steps:
+                print(f"fit {self.fit_number} epoch {self.epoch} step {batch} done", flush=True)
             if step_sleep:
                 time.sleep(step_sleep)
 
