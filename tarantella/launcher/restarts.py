@@ -53,6 +53,10 @@ def add_options(parser):
                             "#SBATCH --signal=B:USR1@120): every rank stops at one step, the master backs up, "
                             f"and the job exits with status {config.SAVED_AND_STOPPED_STATUS}; the same command "
                             "resumes")
+    group.add_argument("--requeue", action="store_true",
+                       help="with --save-on-signal, in a Slurm batch job: after the save, put the job back in "
+                            "the queue (scontrol requeue; the job must be requeueable, #SBATCH --requeue), so "
+                            "that it resumes when it runs again")
     group.add_argument("--min-ranks", type=_whole_number(1), metavar="M",
                        help="with a hostfile or Slurm: at a restart, leave out hosts that do not answer and "
                             "go on with the others while at least M ranks remain")
@@ -65,6 +69,9 @@ def check_options(parser, options):
     if needing and options.max_restarts is None and options.save_on_signal is None:
         parser.error(f"{needing[0]} only goes with --max-restarts or --save-on-signal, e.g. tarantella "
                      f"--max-restarts 3 {needing[0]} ... -- train.py")
+    if options.requeue and options.save_on_signal is None:
+        parser.error("--requeue only goes with --save-on-signal, e.g. tarantella --save-on-signal USR1 --requeue "
+                     "-- train.py")
 
 
 def supervises(options):
@@ -107,6 +114,8 @@ def main(argv, options):
             _remove_backups(directory, default=options.backup_dir is None)
             return 0
         if status == config.SAVED_AND_STOPPED_STATUS:
+            if options.requeue:
+                _requeue()
             return status  # the cluster ends the job: the backup stays for the next run, nothing restarts
         if attempts.interrupted or refused:
             break
@@ -324,6 +333,25 @@ def _stop(process):
             return
         except subprocess.TimeoutExpired:
             pass
+
+
+def _requeue():
+    """Puts this Slurm batch job back in the queue; it resumes from its backup when it runs again."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        _say("tarantella: WARNING: --requeue: this is no Slurm job, so nothing is requeued; run the same command "
+             "again to resume.")
+        return
+    # Said first: Slurm ends the running job as it requeues it.
+    _say(f"tarantella: requeueing Slurm job {job}; it resumes from the backup when it runs again.")
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        _say(f"tarantella: WARNING: scontrol requeue {job} failed ({error}); submit the job again to resume.")
+        return
+    if done.returncode != 0:
+        _say(f"tarantella: WARNING: scontrol requeue {job} failed: {(done.stderr or done.stdout).strip()}. The job "
+             "must be requeueable (#SBATCH --requeue); submit it again to resume.")
 
 
 def _signal_name(text):

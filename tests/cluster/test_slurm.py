@@ -105,17 +105,17 @@ def assert_ran_on_both_nodes(cluster, job):
             assert f"launch task StepId={job}." in log.read(), f"job {job} started nothing on {name}"
 
 
-def wait_for_job(cluster, job):
+def wait_for_job(cluster, job, timeout_s=JOB_TIMEOUT_S):
     """The job's final state and exit code. Not `sbatch --wait`: it looks with growing pauses and
     returned half a minute after a 9 s job here."""
-    deadline = time.monotonic() + JOB_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         details = run(cluster, ["scontrol", "show", "job", job]).stdout
         state = re.search(r"JobState=(\w+)", details).group(1)
         if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
             return state, re.search(r"ExitCode=(\S+)", details).group(1)
         time.sleep(0.5)
-    raise AssertionError(f"job {job} did not end within {JOB_TIMEOUT_S} s:\n{cluster.logs()}")
+    raise AssertionError(f"job {job} did not end within {timeout_s} s:\n{cluster.logs()}")
 
 
 def job_id(output):
@@ -279,3 +279,46 @@ def test_a_job_restarted_inside_an_allocation_ends_with_the_uninterrupted_weight
                           "2", "--backup-dir", tmp_path / "backups", "--", job, resumed],
                   FAULT="attempt=0,rank=1,fit=1,epoch=1,step=3,how=kill")
     assert_restarted_once_like_the_uninterrupted_run(process, reference, resumed, tmp_path / "backups")
+
+
+@only_with_cluster_tests
+def test_a_batch_job_warned_saves_requeues_itself_and_ends_with_the_uninterrupted_weights(slurm, tmp_path):
+    """`scancel --signal=USR1 --batch` reaches the batch shell, which is the `tarantella` command (exec):
+    every rank stops at one step after the master's backup, the command requeues the job, and the job's
+    next run resumes there; the job ends COMPLETED, with the weights of a run that was never stopped, bit
+    for bit. (Slurm holds a requeued job about two minutes before it runs again.)"""
+    program, epochs = WORKERS / "long_job.py", "12"
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    reference.mkdir()
+    resumed.mkdir()
+    assert_ok(run(slurm, ["salloc", "--nodes=2", "--ntasks-per-node=1", *tarantella(program, reference,
+                                                                                     "--epochs", epochs)]))
+    command = [*launcher_command(), "--no-gpu", "--save-on-signal", "USR1", "--requeue", "--backup-dir",
+               tmp_path / "backups", "--", program, resumed, "--epochs", epochs]
+    options = ["--nodes=2", "--ntasks-per-node=1", "--requeue", "--open-mode=append", f"--output={tmp_path}/job.out"]
+    script = batch_script(tmp_path / "job.sh", "export STEP_SLEEP=0.3 ANNOUNCE_STEPS=1",
+                          f"exec {' '.join(map(str, command))}", options=options)
+    job = run(slurm, ["sbatch", "--parsable", script]).stdout.strip()
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while "fit 1 epoch 1 step 2 done" not in _text(tmp_path / "job.out") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert_ok(run(slurm, ["scancel", "--signal=USR1", "--batch", job]))
+    state, exit_code = wait_for_job(slurm, job, timeout_s=3 * JOB_TIMEOUT_S)
+    output = _text(tmp_path / "job.out")
+    assert (state, exit_code) == ("COMPLETED", "0:0"), output + slurm.logs()
+    saves = re.findall(r"tarantella: rank 0 on host \S+ backed up fit #1 at epoch \d+, step \d+ in \S+ on SIGUSR1; "
+                       r"every rank stopped\. The same command resumes from there \(exit status 75\)\.", output)
+    requeues = re.findall(rf"tarantella: requeueing Slurm job {job}; it resumes from the backup when it runs again\.",
+                          output)
+    assert len(saves) == 1 and len(requeues) == 1, output
+    restarts = int(re.search(r"Restarts=(\d+)", run(slurm, ["scontrol", "show", "job", job]).stdout).group(1))
+    assert restarts == len(saves), output
+    expected, result = load_npz(reference / "weights.npz"), load_npz(resumed / "weights.npz")
+    assert sorted(result) == sorted(expected)
+    for key in expected:
+        np.testing.assert_array_equal(result[key], expected[key], err_msg=key)
+    assert _processes_naming(str(resumed)) == []
+
+
+def _text(path):
+    return path.read_text() if path.exists() else ""
