@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from tarantella.timeline import MAIN_ROW, OPS_ROW, WORKER_ROW
+from tarantella.timeline_report import MAIN_ROW, OPS_ROW, WORKER_ROW
 
 # Category -> (colour, legend). Slices drawn over a longer one (waiting, transfer) are drawn thinner.
 _COLOURS = {

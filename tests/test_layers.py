@@ -18,7 +18,8 @@ LAYERS = [
         "tarantella.collectives", "tarantella.collective_calls", "tarantella.backends", "tarantella.data",
         "tarantella.optimizers"]),
     ("model", ["tarantella.model", "tarantella.models", "tarantella.callbacks", "tarantella.saving"]),
-    ("resilience and observability", ["tarantella.backups", "tarantella.timeline", "tarantella.timeline_picture"]),
+    ("resilience and observability", ["tarantella.backups", "tarantella.timeline", "tarantella.timeline_report",
+                                      "tarantella.timeline_picture"]),
     # The package and rank.py, which puts the layers together when tarantella is imported.
     ("public API", ["tarantella", "tarantella.rank"]),
 ]

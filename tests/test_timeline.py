@@ -7,7 +7,7 @@ import os
 import pytest
 
 from conftest import WORKERS, assert_ok, launch, launcher_command, run_python
-from tarantella import timeline
+from tarantella import timeline, timeline_report
 from tarantella.runtime.kinds import Collective
 
 RANKS = 3
@@ -57,7 +57,7 @@ def test_every_training_step_shows_its_buckets_metrics_and_input(steady_run):
         steps = _slices(trace, rank, "training step")
         assert len(steps) == facts["fit_steps"]
         buckets = _slices(trace, rank, "bucket ")
-        metrics = [e for e in _slices(trace, rank, "losses and metrics") if e["tid"] == timeline.WORKER_ROW]
+        metrics = [e for e in _slices(trace, rank, "losses and metrics") if e["tid"] == timeline_report.WORKER_ROW]
         for step in steps:
             inside = [b for b in buckets if _inside(b, step)]
             assert sum(b["args"]["bytes"] for b in inside) == facts["gradient_bytes"], step["name"]
@@ -78,7 +78,7 @@ def test_validation_saves_custom_loops_and_public_collectives_appear(steady_run)
         steps = _slices(trace, rank, "training step")
         outside = [b for b in _slices(trace, rank, "bucket ") if not any(_inside(b, s) for s in steps)]
         assert outside, "the custom loop's gradient buckets"
-        assert [e for e in _slices(trace, rank, "tnt.allreduce") if e["tid"] == timeline.WORKER_ROW]
+        assert [e for e in _slices(trace, rank, "tnt.allreduce") if e["tid"] == timeline_report.WORKER_ROW]
     assert _slices(trace, 0, "save model.keras")
 
 
@@ -121,10 +121,10 @@ def _rank_events(steps, blocked=(), buckets=(), slow_compute=0):
     for k in range(steps):
         start = k * 20 * MS
         events.append(("step", "training step", start, start + length * MS, False))
-        events.append(("blocked", timeline.OPS_ROW, "STEP_OPENING", "the allreduce of micro-batch sizes of a training step",
+        events.append(("blocked", timeline_report.OPS_ROW, "STEP_OPENING", "the allreduce of micro-batch sizes of a training step",
                        start + MS // 2, start + MS // 2 + MS // 10))
         for kind, begin, end in blocked:
-            events.append(("blocked", timeline.OPS_ROW, kind.name, kind.what, start + begin * MS, start + end * MS))
+            events.append(("blocked", timeline_report.OPS_ROW, kind.name, kind.what, start + begin * MS, start + end * MS))
         for index, nbytes in enumerate(buckets):
             events.append(("bucket", sequence, index, nbytes, start + 2 * MS, start + 2 * MS + 1000))
             sequence += 1
@@ -133,7 +133,7 @@ def _rank_events(steps, blocked=(), buckets=(), slow_compute=0):
 
 def test_synchronized_batch_normalization_that_is_not_hidden_is_named():
     moments = [(Collective.BATCHNORM_MOMENTS, 2, 4)]
-    report = timeline.step_report([_rank_events(8, moments), _rank_events(8, moments)], [0, 0], ["a", "b"])
+    report = timeline_report.step_report([_rank_events(8, moments), _rank_events(8, moments)], [0, 0], ["a", "b"])
     assert "fewer synchronized BatchNormalization layers" in report
     assert "Straggler" not in report
 
@@ -141,7 +141,7 @@ def test_synchronized_batch_normalization_that_is_not_hidden_is_named():
 def test_many_small_buckets_ask_for_a_higher_fusion_threshold():
     blocked = [(Collective.GRADIENTS, 5, 8)]
     by_rank = [_rank_events(8, blocked, buckets=[40_000] * 12) for _ in range(2)]
-    assert "a higher fusion threshold" in timeline.step_report(by_rank, [0, 0], ["a", "b"], 32 * 1024)
+    assert "a higher fusion threshold" in timeline_report.step_report(by_rank, [0, 0], ["a", "b"], 32 * 1024)
 
 
 def test_a_rank_that_computes_longer_is_named_as_a_slow_host():
@@ -151,11 +151,11 @@ def test_a_rank_that_computes_longer_is_named_as_a_slow_host():
         for k in range(8):
             start = k * 20 * MS
             metrics = Collective.LOSSES_AND_METRICS
-            by_rank[rank].append(("blocked", timeline.OPS_ROW, metrics.name, metrics.what,
+            by_rank[rank].append(("blocked", timeline_report.OPS_ROW, metrics.name, metrics.what,
                                   start + arrival * MS, start + 9 * MS + MS // 10))
             by_rank[rank].append(("collective", k, metrics.name, metrics.what, start + arrival * MS,
                                   start + 9 * MS + MS // 10))
-    report = timeline.step_report(by_rank, [0, 0], ["fast", "busy"])
+    report = timeline_report.step_report(by_rank, [0, 0], ["fast", "busy"])
     assert "Straggler: rank 1 (host busy)" in report
     assert "a slow host: rank 1" in report
 
