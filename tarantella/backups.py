@@ -1,10 +1,11 @@
 """Automatic backups of `fit`, for jobs the command restarts (`--max-restarts`) or stops on a warning signal.
 
 With TNT_BACKUP_DIR set (the command sets it) and no BackupAndRestore of the user's, every
-`fit` call gets an `AutomaticBackups` callback. The master writes the training state (the
+`fit` call gets an `AutomaticBackups` callback. The master backs up the training state (the
 model's variables, random seed states included, every optimizer's and the metrics') after
-every epoch, after every TNT_BACKUP_EVERY_STEPS steps, and when `fit` ends; the other ranks
-do not wait for it. Each `fit` call has its own file, numbered in call order, and the files
+every epoch, after every TNT_BACKUP_EVERY_STEPS steps, and when `fit` ends: it copies the state
+to host memory at the step boundary and writes it from a thread of its own, one backup in flight
+at a time; the other ranks do not wait for it. Each `fit` call has its own file, numbered in call order, and the files
 stay until the job ends well: a program restarted from its top finds a finished call's
 final state and skips its training, and resumes the unfinished one where the backup left it.
 
@@ -22,6 +23,7 @@ those of the uninterrupted run.
 
 import logging
 import signal
+import threading
 import time
 
 import keras
@@ -70,6 +72,8 @@ class AutomaticBackups(keras.callbacks.Callback):
         self._steps_to_replay = 0
         self._replayed = False  # the last step was replayed, not trained
         self._skipped = False  # the call had completed before a restart: nothing trains
+        self._writer = None  # the master's thread writing the backup in flight
+        self._write_error = None
 
     # -- the state -----------------------------------------------------------------------
 
@@ -85,25 +89,51 @@ class AutomaticBackups(keras.callbacks.Callback):
         metrics = [v for metric in model.metrics for v in metric.variables if id(v) not in seen]
         return training, metrics
 
-    def _backup(self, epoch, step, completed=False):
+    def _backup(self, epoch, step, completed=False, wait=False):
+        """The master copies the state to host memory (the step waits for this only) and writes it
+        from a thread of its own; one backup at a time is in flight, a later one waits for the
+        earlier. With `wait`, returns once it is written."""
         if self._comm.rank != world.MASTER_RANK:
             return
         started = time.monotonic()
         training, metrics = self._variables()
-        arrays = [np.asarray(v.numpy(), order="C") for v in training + metrics]
+        # Copies: a framework may reuse a variable's buffer in the next step (JAX donates it, torch
+        # updates in place), while the writer still reads it.
+        arrays = [np.array(v.numpy(), copy=True, order="C") for v in training + metrics]
+        copied_s = time.monotonic() - started
         header = {"fit": self._fit_number, "epoch": epoch, "step": step, "completed": completed,
                   "metric_variables": len(metrics), "variables": [_describe(v) for v in training + metrics],
                   "logs": self._latest_logs, "history": {str(e): logs for e, logs in self._epoch_logs.items()},
                   "ranks": self._comm.size, "written_at": time.time()}
+        self.wait_for_writer()
+        self._steps_since_backup = 0
+        self._writer = threading.Thread(target=self._write, args=(header, arrays, epoch, step, copied_s),
+                                        name="tarantella-backup")
+        self._writer.start()
+        if wait:
+            self.wait_for_writer()
+
+    def _write(self, header, arrays, epoch, step, copied_s):
+        started = time.monotonic()
         try:
             backup_files.write(self._path, header, arrays)
         except OSError as error:
+            self._write_error = error
+            return
+        logger.debug("backup of fit #%d at epoch %d, step %d: %.1f MB copied in %.3f s, written in %.3f s",
+                     self._fit_number, epoch + 1, step, sum(a.nbytes for a in arrays) / 1e6, copied_s,
+                     time.monotonic() - started)
+
+    def wait_for_writer(self):
+        """Returns once the backup in flight is written; raises if writing it failed."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._write_error is not None:
+            error, self._write_error = self._write_error, None
             raise OSError(f"The automatic backup of fit #{self._fit_number} to {self._path} failed: {error}. Give "
                           "--backup-dir a folder with room that every rank can read (a shared file system).") \
                 from None
-        self._steps_since_backup = 0
-        logger.debug("backup of fit #%d at epoch %d, step %d: %.1f MB in %.3f s", self._fit_number, epoch + 1, step,
-                     sum(a.nbytes for a in arrays) / 1e6, time.monotonic() - started)
 
     def _restore(self):
         """Every rank reads the backup; returns its header, or None without one."""
@@ -184,15 +214,16 @@ class AutomaticBackups(keras.callbacks.Callback):
             return
         self._latest_logs = _scalars(logs)
         if self._comm.stop_agreed:
-            self._backup(self._epoch, done)
+            self._backup(self._epoch, done, wait=True)
             self._stop(self._epoch, done)
         if self._every_steps and self._steps_since_backup >= self._every_steps:
             self._backup(self._epoch, done)
 
     def on_epoch_end(self, epoch, logs=None):
         self._epoch_logs[epoch] = _scalars(logs)
-        self._backup(epoch + 1, 0)
-        if self._comm.stop_agreed:  # agreed during the epoch's validation
+        stopping = self._comm.stop_agreed  # agreed during the epoch's validation
+        self._backup(epoch + 1, 0, wait=stopping)
+        if stopping:
             self._stop(epoch + 1, 0)
 
     def _stop(self, epoch, step):
@@ -209,7 +240,7 @@ class AutomaticBackups(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self.model._initial_epoch = None  # a later fit of this model starts where its caller says
         if not self._skipped:
-            self._backup(max(self._epoch_logs, default=-1) + 1, 0, completed=True)
+            self._backup(max(self._epoch_logs, default=-1) + 1, 0, completed=True, wait=True)
 
     def history_returned(self, history):
         """Puts the epochs that ran before the restart in front of the History Keras returns."""

@@ -86,3 +86,17 @@ def cores_seen(process, ranks):
     assert sorted(int(rank) for rank, *_ in found) == list(range(ranks)), process.stdout[-2000:]
     return {int(rank): ([int(core) for core in cores.split(", ")], every == "True", int(threads))
             for rank, cores, every, threads in found}
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A folder on a file system of one page, nearly full."""
+    folder = tmp_path / "full"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)

@@ -297,20 +297,6 @@ def test_failure_lines_the_program_printed_itself_do_not_name_the_culprit():
     assert stderr.count("tarantella-rank-announcement:") == 2, "the program's own lines are shown as they are"
 
 
-@pytest.fixture
-def full_disk(tmp_path):
-    """A folder on a file system of one page, nearly full."""
-    folder = tmp_path / "full"
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(folder)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
-
-
 def test_a_full_disk_during_a_save_names_the_master_that_failed_to_write(full_disk):
     # Both ranks raise OSError (rank 1 because the master's save failed); whichever wrote first
     # was named, mostly rank 1.

@@ -340,6 +340,18 @@ _SAVED = re.compile(r"tarantella: rank 0 on host \S+ backed up fit #1 at epoch (
                     r"every rank stopped\. The same command resumes from there \(exit status 75\)\.")
 
 
+def test_a_backup_that_cannot_be_written_fails_the_job_naming_the_folder_and_the_fix(full_disk, tmp_path):
+    """The master writes backups from a thread of its own: its failure still reaches the program, as an
+    error of the master that names the backup and the fix."""
+    process = tarantella("-n", 2, "--no-gpu", "--max-restarts", 0, "--backup-dir", full_disk, "--", JOB, tmp_path,
+                         cwd=tmp_path)
+    assert process.returncode == 1, report(process)
+    assert (f"The automatic backup of fit #1 to {full_disk}/fit-1.tntbackup failed: [Errno 28] No space left on "
+            "device. Give --backup-dir a folder with room that every rank can read") in process.stderr, report(process)
+    assert re.fullmatch(r"tarantella: the job failed \(exit status 1\): rank 0 on host \S+ raised OSError\.",
+                        last_line(process.stderr)), report(process)
+
+
 def test_a_signal_tarantella_does_not_save_on_is_refused_naming_those_it_does(tmp_path):
     process = tarantella("-n", 2, "--save-on-signal", "KILL", "--", PLAIN, "chatter", cwd=tmp_path)
     assert process.returncode == 2, report(process)
