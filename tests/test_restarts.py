@@ -314,11 +314,11 @@ def test_ctrl_c_while_training_stops_the_job_and_keeps_its_backup(tmp_path):
     assert complete_backups(tmp_path), "the backup of a stopped job stays, to resume from"
 
 
-def run_until_signalled(out, backups, send_signal, after="fit 1 epoch 1 step 2 done"):
-    """Runs the job with --save-on-signal USR1, and calls `send_signal(launcher)` once rank 0 said
+def run_until_signalled(out, backups, signal_name, send_signal, after="fit 1 epoch 1 step 2 done"):
+    """Runs the job with --save-on-signal SIGNAL_NAME, and calls `send_signal(launcher)` once rank 0 said
     `after`. Returns the finished process (stdout, stderr) and what was left of its process group."""
-    command = launcher_command() + ["-n", "2", "--no-gpu", "--save-on-signal", "USR1", "--backup-dir", str(backups),
-                                    "--", str(JOB), str(out)]
+    command = launcher_command() + ["-n", "2", "--no-gpu", "--save-on-signal", signal_name, "--backup-dir",
+                                    str(backups), "--", str(JOB), str(out)]
     launcher = subprocess.Popen(command, cwd=out, env=quiet_env(STEP_SLEEP="0.2", ANNOUNCE_STEPS="1"),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -334,10 +334,6 @@ def run_until_signalled(out, backups, send_signal, after="fit 1 epoch 1 step 2 d
         if launcher.poll() is None or _processes_in_group(launcher.pid, settle_s=0):
             os.killpg(launcher.pid, signal.SIGKILL)
     return subprocess.CompletedProcess(command, launcher.returncode, "".join(stdout) + rest, stderr), left
-
-
-_SAVED = re.compile(r"tarantella: rank 0 on host \S+ backed up fit #1 at epoch (\d+), step (\d+) in (\S+) on SIGUSR1; "
-                    r"every rank stopped\. The same command resumes from there \(exit status 75\)\.")
 
 
 def test_a_backup_that_cannot_be_written_fails_the_job_naming_the_folder_and_the_fix(full_disk, tmp_path):
@@ -359,30 +355,32 @@ def test_a_signal_tarantella_does_not_save_on_is_refused_naming_those_it_does(tm
         process.stderr, report(process)
 
 
-@pytest.mark.parametrize("receiver", ["command", "rank 1"])
+@pytest.mark.parametrize("signal_name, receiver", [("USR1", "command"), ("USR1", "rank 1"), ("TERM", "command")])
 def test_the_warning_signal_saves_at_one_step_and_the_same_command_resumes_to_the_uninterrupted_weights(
-        receiver, tmp_path, tmp_path_factory):
-    """The cluster's warning (SIGUSR1) to the command, or to one rank only (as `scancel --signal` sends it to
-    the tasks): every rank stops at the same step after the master's backup, with status 75; the same
-    command then resumes and ends with the uninterrupted run's weights, bit for bit."""
+        signal_name, receiver, tmp_path, tmp_path_factory):
+    """The cluster's warning (SIGUSR1, or SIGTERM with a grace) to the command, or to one rank only (as
+    `scancel --signal` sends it to the tasks): every rank stops at the same step after the master's backup,
+    with status 75; the same command then resumes and ends with the uninterrupted run's weights, bit for bit."""
     expected = uninterrupted(tmp_path_factory)
     backups = tmp_path / "backups"
 
     def send(launcher):
         pid = launcher.pid if receiver == "command" else rank_pids(tmp_path, "long_job.py")[1]
-        os.kill(pid, signal.SIGUSR1)
+        os.kill(pid, getattr(signal, "SIG" + signal_name))
 
-    process, left = run_until_signalled(tmp_path, backups, send)
+    process, left = run_until_signalled(tmp_path, backups, signal_name, send)
     assert process.returncode == 75, report(process)
     assert left == [], report(process)
-    saved = _SAVED.fullmatch(last_line(process.stderr))
+    saved = re.fullmatch(rf"tarantella: rank 0 on host \S+ backed up fit #1 at epoch (\d+), step (\d+) in \S+ on "
+                         rf"SIG{signal_name}; every rank stopped\. The same command resumes from there \(exit status "
+                         r"75\)\.", last_line(process.stderr))
     assert saved, report(process)
     epoch, step = int(saved.group(1)), int(saved.group(2))
     assert (epoch, step) >= (2, 3), "the steps before the signal trained"  # epoch 2 is the 1-based epoch 1
     assert epoch <= 2 and step <= 5, "the ranks stopped within two steps of the signal"
     assert "fit 1 trained" not in process.stdout
     assert complete_backups(backups) == ["fit-1.tntbackup"]
-    resumed = tarantella("-n", 2, "--no-gpu", "--save-on-signal", "USR1", "--backup-dir", backups, "--", JOB,
+    resumed = tarantella("-n", 2, "--no-gpu", "--save-on-signal", signal_name, "--backup-dir", backups, "--", JOB,
                          tmp_path, cwd=tmp_path)
     assert resumed.returncode == 0, report(resumed)
     assert_same_results(load_npz(tmp_path / "weights.npz"), expected)
