@@ -316,14 +316,17 @@ def test_ctrl_c_while_training_stops_the_job_and_keeps_its_backup(tmp_path):
 
 def run_until_signalled(out, backups, signal_name, send_signal, after="fit 1 epoch 1 step 2 done"):
     """Runs the job with --save-on-signal SIGNAL_NAME, and calls `send_signal(launcher)` once rank 0 said
-    `after`. Returns the finished process (stdout, stderr) and what was left of its process group."""
+    `after` (None: half a second after the start). Returns the finished process (stdout, stderr) and what was left of its process group."""
     command = launcher_command() + ["-n", "2", "--no-gpu", "--save-on-signal", signal_name, "--backup-dir",
                                     str(backups), "--", str(JOB), str(out)]
     launcher = subprocess.Popen(command, cwd=out, env=quiet_env(STEP_SLEEP="0.2", ANNOUNCE_STEPS="1"),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout = []
-        for line in launcher.stdout:
+        if after is None:
+            time.sleep(0.5)  # the command has started, its ranks not yet
+            send_signal(launcher)
+        for line in launcher.stdout if after is not None else ():
             stdout.append(line)
             if line.strip() == after:
                 send_signal(launcher)
@@ -355,12 +358,15 @@ def test_a_signal_tarantella_does_not_save_on_is_refused_naming_those_it_does(tm
         process.stderr, report(process)
 
 
-@pytest.mark.parametrize("signal_name, receiver", [("USR1", "command"), ("USR1", "rank 1"), ("TERM", "command")])
+@pytest.mark.parametrize("signal_name, receiver, after", [
+    ("USR1", "command", "fit 1 epoch 1 step 2 done"), ("USR1", "rank 1", "fit 1 epoch 1 step 2 done"),
+    ("TERM", "command", "fit 1 epoch 1 step 2 done"), ("USR1", "command", None)])
 def test_the_warning_signal_saves_at_one_step_and_the_same_command_resumes_to_the_uninterrupted_weights(
-        signal_name, receiver, tmp_path, tmp_path_factory):
+        signal_name, receiver, after, tmp_path, tmp_path_factory):
     """The cluster's warning (SIGUSR1, or SIGTERM with a grace) to the command, or to one rank only (as
-    `scancel --signal` sends it to the tasks): every rank stops at the same step after the master's backup,
-    with status 75; the same command then resumes and ends with the uninterrupted run's weights, bit for bit."""
+    `scancel --signal` sends it to the tasks), mid-epoch or as the job starts (after=None: before any rank
+    listens): every rank stops at the same step after the master's backup, with status 75; the same
+    command then resumes and ends with the uninterrupted run's weights, bit for bit."""
     expected = uninterrupted(tmp_path_factory)
     backups = tmp_path / "backups"
 
@@ -368,7 +374,7 @@ def test_the_warning_signal_saves_at_one_step_and_the_same_command_resumes_to_th
         pid = launcher.pid if receiver == "command" else rank_pids(tmp_path, "long_job.py")[1]
         os.kill(pid, getattr(signal, "SIG" + signal_name))
 
-    process, left = run_until_signalled(tmp_path, backups, signal_name, send)
+    process, left = run_until_signalled(tmp_path, backups, signal_name, send, after)
     assert process.returncode == 75, report(process)
     assert left == [], report(process)
     saved = re.fullmatch(rf"tarantella: rank 0 on host \S+ backed up fit #1 at epoch (\d+), step (\d+) in \S+ on "
@@ -376,8 +382,11 @@ def test_the_warning_signal_saves_at_one_step_and_the_same_command_resumes_to_th
                          r"75\)\.", last_line(process.stderr))
     assert saved, report(process)
     epoch, step = int(saved.group(1)), int(saved.group(2))
-    assert (epoch, step) >= (2, 3), "the steps before the signal trained"  # epoch 2 is the 1-based epoch 1
-    assert epoch <= 2 and step <= 5, "the ranks stopped within two steps of the signal"
+    if after is None:
+        assert (epoch, step) == (1, 1), "a warning before fit stops it after its first step"
+    else:
+        assert (epoch, step) >= (2, 3), "the steps before the signal trained"  # epoch 2 is the 1-based epoch 1
+        assert epoch <= 2 and step <= 5, "the ranks stopped within two steps of the signal"
     assert "fit 1 trained" not in process.stdout
     assert complete_backups(backups) == ["fit-1.tntbackup"]
     resumed = tarantella("-n", 2, "--no-gpu", "--save-on-signal", signal_name, "--backup-dir", backups, "--", JOB,

@@ -43,8 +43,13 @@ BACKEND_NAMES = {"tensorflow": "TensorFlow", "jax": "JAX", "torch": "PyTorch"}  
 # all are fixed.
 KNOWN_FAILURES = {
     "tensorflow": {},
-    "jax": {},
-    "torch": {},
+    # Found by the whole zoo on 2026-11-27 (issue 34's matrix); identical, bit for bit, at f698204, before
+    # the redesign: not yet explained, not yet fixed.
+    "jax": {("resnet50v2-bn-frozen", 2): "one element of one optimizer slot (optimizer_65[11], a conv bias "
+            "channel's momentum) ends 1.2e-4 from serial Keras-on-JAX, beyond the case's JAX bound of 1e-4; "
+            "every other variable within it"},
+    "torch": {("densenet121-bn-frozen", 2): "rank 0's predictions end up to 2.0e-5 (7.4e-5 relative) from serial "
+              "Keras-on-torch in 41 of 52 values, beyond the default 1e-5 relative"},
 }
 
 

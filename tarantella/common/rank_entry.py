@@ -24,6 +24,7 @@ uses are loaded from their files (they need the standard library only).
 
 import importlib.util
 import os
+import signal
 import socket
 import sys
 import threading
@@ -48,6 +49,7 @@ unwrap_failure = None
 tell_other_ranks = None
 
 _report_key = None  # this job's key; None where the `tarantella` command did not start the rank
+warning_received = False  # the cluster's warning signal came before tarantella listened for it
 _failure_reported = False
 
 
@@ -146,6 +148,25 @@ def _common_module(name):
     return sys.modules[full_name]
 
 
+def hear_the_warning_early():
+    """With TNT_SAVE_ON_SIGNAL, the cluster's warning may come before the program imports tarantella,
+    whose listener (runtime/stop_request.py) then takes the request over: until then it is noted
+    here (`warning_received`), so that the rank does not die of the signal's default action. Called
+    before the rank announces its start, so that the command passes the signal on to no rank that
+    would."""
+    try:
+        signum = _common_module("config").save_on_signal()
+    except ValueError:  # checked by the command already; tarantella says so once imported
+        return
+    if signum is not None:
+        signal.signal(signum, _note_the_warning)
+
+
+def _note_the_warning(_signum, _frame):
+    global warning_received
+    warning_received = True
+
+
 def end_left_processes():
     """Ends the processes the program left running, naming them in one line, unless the
     settings keep them."""
@@ -174,6 +195,7 @@ def main():
     # tarantella, once the program imports it, reports through this module, which holds the key.
     sys.modules["tarantella.common.rank_entry"] = sys.modules[__name__]
     _common_module("left_processes").adopt_orphans()
+    hear_the_warning_early()
     arguments = sys.argv[1:]
     if arguments and arguments[0].startswith(REPORT_KEY_OPTION):
         _report_key = arguments.pop(0)[len(REPORT_KEY_OPTION):]

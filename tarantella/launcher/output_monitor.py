@@ -78,6 +78,7 @@ class OutputMonitor:
         self.finished_at = {}  # rank -> when it announced the end of the program
         self.failed = []  # FailureReport, in the order they arrived
         self.saved = None  # what the master said when it backed up on the warning signal and stopped
+        self._signal_for_ranks_to_come = None
         self.ended_at = {}  # rank -> when its process ended (ranks on this host)
         self.proxy_losses = []
         self._parents = {}  # pid of a parent of ranks on this host -> those ranks
@@ -155,7 +156,14 @@ class OutputMonitor:
             handle = os.pidfd_open(pid)
         except (OSError, AttributeError):
             return
-        self._running_here[rank] = handle
+        with self._lock:
+            self._running_here[rank] = handle
+            pending = self._signal_for_ranks_to_come
+        if pending is not None:  # asked for before this rank started
+            try:
+                signal.pidfd_send_signal(handle, pending)
+            except OSError:
+                pass
         threading.Thread(target=self._wait_for_end, args=(rank, handle), daemon=True).start()
         if parent is not None and parent not in self._parents:
             self._parents[parent] = []
@@ -193,8 +201,9 @@ class OutputMonitor:
                    for loss in self.proxy_losses)
 
     def signal_ranks_here(self, signum):
-        """Sends `signum` to the ranks running on this host."""
+        """Sends `signum` to the ranks running on this host, and to those that start here later."""
         with self._lock:
+            self._signal_for_ranks_to_come = signum
             handles = list(self._running_here.values())
         for handle in handles:
             try:

@@ -33,7 +33,8 @@ _FAILURE = re.compile(r"tarantella: the job failed \(exit status (\d+)\): (.*)")
 _REFUSAL = "tarantella: error: "
 _DEFAULT_FOLDER = "tarantella-backups"
 _PROBE_STOP_GRACE_S = 3.0
-_HOST_LISTS = "tarantella-hosts-"  # a folder in the backup folder: the hostfiles of attempts on fewer hosts
+_HOST_LISTS = "tarantella-hosts-"
+_ATTEMPT_LISTENS_AFTER_S = 3.0  # an attempt listens for the warning signal this long after it started  # a folder in the backup folder: the hostfiles of attempts on fewer hosts
 
 
 def add_options(parser):
@@ -155,15 +156,27 @@ class _Attempts:
         self.child = None
         self.interrupted = None
         self._save_requested = False
+        self._child_started = 0.0
         self._scratch = None
+
+    def _prepare_child(self):
+        end_with_parent()
+        if self.save_signal is not None:
+            # Until the attempt listens for the warning (as it starts), the warning must not end it.
+            signal.signal(self.save_signal, signal.SIG_IGN)
 
     def catch_signals(self):
         def forward(signum, _frame):
+            child = self.child
             if signum == self.save_signal and not self._save_requested:
                 self._save_requested = True  # the attempt has its ranks save and stop; a second one stops
+                if child is not None and time.monotonic() - self._child_started < _ATTEMPT_LISTENS_AFTER_S:
+                    # Ignored by an attempt that does not listen yet: passed on once it does.
+                    delay = _ATTEMPT_LISTENS_AFTER_S - (time.monotonic() - self._child_started)
+                    threading.Timer(delay, _signal_if_running, args=(child, signum)).start()
+                    return
             else:
                 self.interrupted = signum
-            child = self.child
             if child is not None and child.poll() is None:
                 child.send_signal(signum)  # the attempt stops its ranks and says so
         for signum in {signal.SIGINT, signal.SIGTERM, signal.SIGHUP} | ({self.save_signal} - {None}):
@@ -175,7 +188,8 @@ class _Attempts:
             return 128 + self.interrupted, "", True
         env = dict(os.environ, **self.environment, TNT_RESTART_ATTEMPT=str(attempt))
         command = [sys.executable, "-m", "tarantella.launcher", *self.own, *extra, *self.program]
-        self.child = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, preexec_fn=end_with_parent)
+        self.child = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, preexec_fn=self._prepare_child)
+        self._child_started = time.monotonic()
         last = [""]
         reader = threading.Thread(target=_pass_on, args=(self.child.stderr, last), daemon=True)
         reader.start()
@@ -333,6 +347,11 @@ def _stop(process):
             return
         except subprocess.TimeoutExpired:
             pass
+
+
+def _signal_if_running(child, signum):
+    if child.poll() is None:
+        child.send_signal(signum)
 
 
 def _requeue():

@@ -12,6 +12,8 @@ ends it with SIGKILL where it cannot stop in time.
 import logging
 import signal
 
+from tarantella.common import rank_entry
+
 logger = logging.getLogger("tarantella")
 
 
@@ -22,6 +24,8 @@ def listen(communicator, signum):
 
     try:
         signal.signal(signum, request)
+        if rank_entry.warning_received:  # it came while the program started, before tarantella listened
+            communicator.stop_wanted = True
     except ValueError:  # tarantella was first imported outside the main thread
         logger.warning("tarantella could not listen for %s (it was first imported outside the main thread): "
                        "this rank will not save on it.", signal.Signals(signum).name)
