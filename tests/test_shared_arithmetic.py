@@ -33,11 +33,13 @@ def test_moment_sums_of_the_parts_give_the_whole_batch_moments_even_with_an_empt
     assert tuple(mean.shape) == (3,) and keras.backend.standardize_dtype(mean.dtype) == "float32"
 
 
-def test_metric_increments_travel_in_one_vector_and_come_back_in_their_shapes_and_dtypes():
+@pytest.mark.parametrize("xp", ["keras", "numpy"])
+def test_metric_increments_travel_in_one_vector_and_come_back_in_their_shapes_and_dtypes(xp):
+    xp = metric_sums.KERAS_OPS if xp == "keras" else metric_sums.NUMPY
     values = [np.array([[1.0, 2.0], [3.0, 4.0]], np.float32), np.array(5, np.int32), np.array([0.5], np.float32)]
-    vector = metric_sums.flat(values, "float64", weights=[None, None, 2.0])
+    vector = metric_sums.flat(values, "float64", weights=[None, None, 2.0], xp=xp)
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(vector), [1, 2, 3, 4, 5, 1.0])
-    back = metric_sums.pieces(vector * 2, values)
+    back = metric_sums.pieces(vector * 2, values, xp=xp)
     assert [tuple(piece.shape) for piece in back] == [(2, 2), (), (1,)]
     assert [keras.backend.standardize_dtype(piece.dtype) for piece in back] == ["float32", "int32", "float32"]
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(back[0]), [[2, 4], [6, 8]])

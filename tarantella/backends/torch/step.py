@@ -199,14 +199,14 @@ class TorchStep(Step):
     def _global_metrics(self, metric_variables, state_before, contributes):
         """Adds every rank's metric increments to the state before the step; returns Keras' logs."""
         if metric_variables:
-            increments = metric_sums.flat([v.value for v in metric_variables], self.widest_float)
-            increments = keras.ops.convert_to_numpy(increments)
+            increments = metric_sums.flat([v.numpy() for v in metric_variables], self.widest_float,
+                                          xp=metric_sums.NUMPY)
             if not contributes:
                 increments = np.zeros_like(increments)
             summed = self._comm.allreduce_sum(increments, _METRICS, agreed=True)
-            pieces = metric_sums.pieces(summed, state_before)
+            pieces = metric_sums.pieces(summed, state_before, xp=metric_sums.NUMPY)
             for variable, before, piece in zip(metric_variables, state_before, pieces):
-                variable.assign(before + keras.ops.convert_to_numpy(piece))
+                variable.assign(before + piece)
         return self._model.get_metrics_result()
 
 
