@@ -16,26 +16,29 @@ reduction time):
                        MPI's own allreduce could do for every bucket
 """
 
+import importlib.util
 import math
+import pathlib
 
 RING_MIN_BYTES = 1 << 20  # tarantella.runtime.reducer._RING_MIN_BYTES
 
 
+def _fusion():
+    """tarantella/backends/fusion.py (NumPy only), loaded from its file: importing it by its name would
+    first import the tarantella package, which starts TensorFlow and MPI in the benchmark's driver."""
+    path = pathlib.Path(__file__).resolve().parents[2] / "tarantella" / "backends" / "fusion.py"
+    spec = importlib.util.spec_from_file_location("tarantella_fusion_for_the_step_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_FUSION = _fusion()
+
+
 def plan_buckets(sizes_in_bytes, threshold_bytes):
-    """tarantella.backends.fusion.plan_buckets for tensors of one dtype (the rule, without TensorFlow)."""
-    buckets, pending, pending_bytes = [], [], 0
-    for position, size in enumerate(sizes_in_bytes):
-        if size >= threshold_bytes:
-            buckets.append([position])
-            continue
-        pending.append(position)
-        pending_bytes += size
-        if pending_bytes >= threshold_bytes:
-            buckets.append(pending)
-            pending, pending_bytes = [], 0
-    if pending:
-        buckets.append(pending)
-    return buckets
+    """tarantella's fusion plan for tensors of one dtype."""
+    return _FUSION.plan_buckets(sizes_in_bytes, ["float32"] * len(sizes_in_bytes), threshold_bytes)
 
 
 def schedule(stages, threshold_bytes, scale=1.0, bytes_per_element=4):
