@@ -37,6 +37,9 @@ sparse categorical cross-entropy, accuracy). How noise is kept out:
   windows.
 - A round runs one window of every variant, in the order a, b, c, d (, e), the next round
   in reverse, and so on, so drift of the machine's speed hits all variants alike.
+- With --against (or --process-sets K), the rounds are split among K sets of fresh processes, one
+  set after another: what a process draws at start (its memory layout, its core) biases all its
+  windows alike, and only new processes let that bias show in the spread.
 - A window's step time is the median of its steps; a ratio is computed per round, from
   windows run moments apart, and reported as the median over rounds with its spread (the
   interquartile range, and min-max). A target is judged only when the whole interquartile
@@ -75,7 +78,10 @@ WARMUP_STEPS = 3
 # Timed steps per window: about 0.2-1 s of work per window on 2 cores.
 STEPS_PER_WINDOW = {"lenet5": 40, "mlp": 8, "resnet50": 2, "transformer": 3}
 AGREEMENT = 0.05  # two runs on a quiet machine should give every ratio within 5% of each other
-MIN_ROUNDS_TO_JUDGE = 5  # fewer give no meaningful quartiles
+MIN_ROUNDS_TO_JUDGE = 5
+# Fresh processes for each quarter of an --against run's rounds: two runs of identical code, each with
+# one set of processes, put their medians 1-2% apart with tight quartiles (2026-11).
+DEFAULT_PROCESS_SETS = 4  # fewer give no meaningful quartiles
 QUICK = {"repeats": 2, "steps": 2, "warmup": 2}
 START_TIMEOUT_S = 600  # all variants of a model start and trace together on a small machine
 WINDOW_TIMEOUT_S = 300
@@ -352,15 +358,44 @@ class Worker:
             return log.read()[-5000:]
 
 
-def measure_model(model, variants, repeats, steps, warmup, scratch):
+def measure_model(model, variants, repeats, steps, warmup, scratch, process_sets=1):
     """Runs the `variants` ({label: Variant}) of `model` for `repeats` interleaved rounds; returns the raw
-    results."""
+    results. The rounds are split among `process_sets` sets of fresh worker processes, one set after
+    another: a process keeps for its life what it drew at start (where its memory lies, which core it
+    settled on), which shifts every window of that process alike; with several sets that bias varies
+    between rounds and widens the spread, instead of shifting the median unseen."""
     labels = list(variants)
+    started = time.monotonic()
+    windows = {label: [] for label in labels}
+    start_seconds = 0.0
+    agreement = ready = None
+    sets = min(process_sets, repeats)
+    for index in range(sets):
+        rounds = range(repeats * index // sets, repeats * (index + 1) // sets)
+        ready, agreement, seconds = _run_process_set(model, variants, rounds, repeats, steps, warmup,
+                                                     os.path.join(scratch, f"{model}-set{index}"), windows)
+        start_seconds += seconds
+    first = ready[labels[0]]
+    described = {label: {"description": variant.description, "ranks": variant.ranks}
+                 for label, variant in variants.items()}
+    if "ring" in windows:
+        described["ring"] = {"description": RING, "ranks": 2}
+    return {"parameters": first["parameters"], "global_batch_size": first["global_batch_size"],
+            "steps_per_window": steps, "process_sets": sets, "start_seconds": start_seconds,
+            "seconds": time.monotonic() - started, "windows": windows, "agreement": agreement,
+            "variants": described}
+
+
+def _run_process_set(model, variants, rounds, repeats, steps, warmup, scratch, windows):
+    """Starts one set of workers, runs `rounds` (a range of round numbers) into `windows`, ends them;
+    returns their ready messages, the agreement timing and the seconds they took to start."""
+    labels = list(variants)
+    os.mkdir(scratch)
     started = time.monotonic()
     workers = {}
     try:
         for label in labels:
-            workers[label] = Worker(model, label, variants[label], repeats, steps, warmup, scratch)
+            workers[label] = Worker(model, label, variants[label], len(rounds), steps, warmup, scratch)
         ready = {label: worker.receive(START_TIMEOUT_S) for label, worker in workers.items()}
         for label, variant in variants.items():
             source = variant.tarantella_folder
@@ -372,8 +407,7 @@ def measure_model(model, variants, repeats, steps, warmup, scratch):
                                    f"{variant.ranks}.")
         start_seconds = time.monotonic() - started
         print(f"{model}: all variants traced and ready after {start_seconds:.0f} s", file=sys.stderr, flush=True)
-        windows = {label: [] for label in labels}
-        for repeat in range(repeats):
+        for repeat in rounds:
             order = labels if repeat % 2 == 0 else labels[::-1]
             for label in order:
                 workers[label].send("window")
@@ -398,15 +432,7 @@ def measure_model(model, variants, repeats, steps, warmup, scratch):
     finally:
         for worker in workers.values():
             worker.stop()
-    first = ready[labels[0]]
-    described = {label: {"description": variant.description, "ranks": variant.ranks}
-                 for label, variant in variants.items()}
-    if "ring" in windows:
-        described["ring"] = {"description": RING, "ranks": 2}
-    return {"parameters": first["parameters"], "global_batch_size": first["global_batch_size"],
-            "steps_per_window": steps, "start_seconds": start_seconds,
-            "seconds": time.monotonic() - started, "windows": windows, "agreement": agreement,
-            "variants": described}
+    return ready, agreement, start_seconds
 
 
 # -- statistics --------------------------------------------------------------------------
@@ -647,6 +673,10 @@ def main():
                         help="also time tarantella as it was at these git revisions (2 ranks each), in the same "
                              f"rounds, and judge (c)/(@REV) <= {AGAINST_TARGET:.2f}; run it before merging a "
                              "change to the step, the communicator or the launcher")
+    parser.add_argument("--process-sets", type=int, metavar="K",
+                        help="split the rounds among K sets of fresh worker processes, started one after "
+                             "another, so that a bias a process carries for its life shows in the spread "
+                             f"(default {DEFAULT_PROCESS_SETS} with --against, else 1)")
     parser.add_argument("--variants", metavar="LABELS",
                         help="time only these variants, e.g. c,@main (default: all of each model's)")
     parser.add_argument("--horovod-venv", metavar="DIR", default=DEFAULT_HOROVOD_VENV,
@@ -667,8 +697,9 @@ def main():
     if unknown:
         parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     repeats = args.repeats or (QUICK["repeats"] if args.quick else DEFAULT_REPEATS)
-    if repeats < 1 or (args.steps is not None and args.steps < 1):
-        parser.error("--repeats and --steps must be at least 1")
+    process_sets = args.process_sets or (DEFAULT_PROCESS_SETS if args.against else 1)
+    if repeats < 1 or process_sets < 1 or (args.steps is not None and args.steps < 1):
+        parser.error("--repeats, --process-sets and --steps must be at least 1")
     if args.plot:  # fail now, not after the measurement
         try:
             import matplotlib  # noqa: F401
@@ -699,7 +730,8 @@ def main():
                     steps = args.steps or (QUICK["steps"] if args.quick else STEPS_PER_WINDOW[model])
                     print(f"{model} on Keras' {backend} backend", file=sys.stderr, flush=True)
                     try:
-                        measured = measure_model(model, variants, repeats, steps, warmup, backend_scratch)
+                        measured = measure_model(model, variants, repeats, steps, warmup, backend_scratch,
+                                                 process_sets)
                     except WorkerFailed as error:
                         sys.exit(f"benchmark failed on the {backend} backend: {error}")
                     results.setdefault(backend, {})[model] = {"measured": measured,

@@ -286,3 +286,43 @@ def test_compare_reads_runs_per_backend_and_runs_written_before_backends(tmp_pat
     assert scaling.compare(old, new)  # only TensorFlow is in both: 1.10 against 1.12
     out = capsys.readouterr().out
     assert "Keras backend: tensorflow" in out and "Keras backend: jax" not in out
+
+
+def test_process_sets_split_the_rounds_among_fresh_workers_in_their_interleaved_order(monkeypatch, tmp_path):
+    started = []
+
+    class FakeWorker:
+        """Answers as a worker would; each window's step time names its process set and round."""
+
+        def __init__(self, model, label, variant, windows, steps, warmup, scratch):
+            self.label, self.windows, self.answers = label, windows, []
+            self.process_set = os.path.basename(scratch)
+            started.append((label, windows, self.process_set))
+
+        def send(self, command):
+            self.answers.append(command)
+
+        def receive(self, timeout_s):
+            if not self.answers:  # the ready message
+                return {"tarantella_folder": None, "ranks": 2, "parameters": 1, "global_batch_size": 8}
+            command = self.answers[-1]
+            if command == "window":
+                return {"median_step_seconds": len(self.answers), "set": self.process_set}
+            return {"agreement_seconds": None, "collective_seconds": None}
+
+        def finish(self, timeout_s):
+            return None
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(scaling, "Worker", FakeWorker)
+    variants = {"c": scaling.Variant("tarantella, 2 ranks", 2, "tarantella"),
+                "@main": scaling.Variant("at main", 2, "tarantella")}
+    measured = scaling.measure_model("lenet5", variants, repeats=5, steps=1, warmup=0, scratch=str(tmp_path),
+                                     process_sets=2)
+    # 5 rounds: 2 in the first set of processes, 3 in the second, every variant started afresh.
+    assert started == [("c", 2, "lenet5-set0"), ("@main", 2, "lenet5-set0"),
+                       ("c", 3, "lenet5-set1"), ("@main", 3, "lenet5-set1")]
+    assert [window["set"] for window in measured["windows"]["c"]] == ["lenet5-set0"] * 2 + ["lenet5-set1"] * 3
+    assert len(measured["windows"]["@main"]) == 5 and measured["process_sets"] == 2
