@@ -1,18 +1,22 @@
-"""What automatic backups (`tarantella --max-restarts`) cost on examples/resnet50.py.
+"""What automatic backups (`tarantella --max-restarts`) and checkpoints cost on examples/resnet50.py.
 
-Runs the example on 2 ranks three times, one after another: without backups, backing up at
-every epoch's end, and also every 50 steps. Each run trains `--epochs` epochs of
-`--samples / --batch-size` steps on synthetic 32x32 images. The table gives, per variant, the
-backups written (fit's final state included), their size, the seconds the step waits for one (the
-master copies the state to host memory) and the seconds its writing takes (a thread of the
-master's, while training goes on), and the training time per step and per epoch, from Keras' own
-epoch lines, with its difference to the run without backups.
+Runs the example on 2 ranks once per variant, the variants one after another, and all of that
+`--rounds` times (the second round in reverse order, and so on), so that a ratio to the run
+without backups comes from runs made minutes apart:
+- no backups (the example's ModelCheckpoint writes after each epoch, as in every variant that
+  does not replace it);
+- automatic backups at every epoch's end, and also every `--every-steps` steps;
+- ModelCheckpoint every `--every-steps` steps, written in place while training waits;
+- the same, written in the background (`write_in_background=True`).
+Each run trains `--epochs` epochs of `--samples / --batch-size` steps on synthetic 32x32 images.
+The table gives, per variant, the files written, their size, the seconds the step waits for
+one (a backup: the master copies the state to host memory; a checkpoint in the background: Keras
+writes it into the temporary folder; in place: the whole write), the seconds a thread then takes
+to write it while training goes on, the training time per step from Keras' epoch lines, and,
+per round, the step time over that round's run without backups.
 
-    python benchmarks/backups.py                    # 2 epochs of 100 steps
-    python benchmarks/backups.py --samples 320 --epochs 1 --every-steps 5   # a quick check
-
-Runs made one after another on a shared machine differ by tens of percent; the seconds per
-backup, measured around the copy and the write themselves, are the steadier numbers.
+    python benchmarks/backups.py                    # 2 epochs of 100 steps, 2 rounds
+    python benchmarks/backups.py --samples 320 --epochs 1 --every-steps 5 --rounds 1   # a quick check
 """
 
 import argparse
@@ -26,30 +30,61 @@ import tempfile
 import time
 
 REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
+VARIANTS = ("none", "backups", "checkpoint", "checkpoint-background")
 _BACKUP_LINE = re.compile(r"backup of fit #\d+ at epoch \d+, step \d+: ([\d.]+) MB copied in ([\d.]+) s, written in "
                           r"([\d.]+) s")
-_EPOCH_LINE = re.compile(r"^\d+/\d+ - (\d+)s (\d+)ms/step", re.M)
+_IN_PLACE_LINE = re.compile(r"checkpoint\.weights\.h5 written in place in ([\d.]+) s")
+_STAGED_LINE = re.compile(r"checkpoint\.weights\.h5 staged in ([\d.]+) s")
+_COPIED_LINE = re.compile(r"checkpoint\.weights\.h5 copied into place in ([\d.]+) s")
+# Keras' epoch line, verbose=2: "100/100 - 52s - 517ms/step - loss: ..." (or "1s/step")
+_EPOCH_LINE = re.compile(r"^\d+/\d+ - (\d+)s(?: -)? (\d+)(ms|s)/step", re.M)
+
+
+def names(options):
+    return {"none": "no backups", "backups": f"backups every epoch and every {options.every_steps} steps",
+            "checkpoint": f"ModelCheckpoint every {options.every_steps} steps, in place",
+            "checkpoint-background": f"ModelCheckpoint every {options.every_steps} steps, in the background"}
 
 
 def run(variant, options, folder):
     command = [sys.executable, "-m", "tarantella.launcher", "-n", str(options.ranks), "--no-gpu", "--log-level", "DEBUG"]
-    if variant != "none":
-        command += ["--max-restarts", "0", "--backup-dir", str(folder / "backups")]
-    if variant == "steps":
-        command += ["--backup-every-steps", str(options.every_steps)]
+    if variant == "backups":
+        command += ["--max-restarts", "0", "--backup-dir", str(folder / "backups"),
+                    "--backup-every-steps", str(options.every_steps)]
     command += ["--", str(REPOSITORY / "examples" / "resnet50.py"), "--samples", str(options.samples),
                 "--batch-size", str(options.batch_size), "--epochs", str(options.epochs),
                 "--output-dir", str(folder / "output")]
+    if variant.startswith("checkpoint"):
+        command += ["--checkpoint-every-steps", str(options.every_steps)]
+    if variant == "checkpoint-background":
+        command += ["--checkpoint-in-background"]
     started = time.monotonic()
     process = subprocess.run(command, capture_output=True, text=True, cwd=folder,
-                             env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore"))
+                             env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore",
+                                      TMPDIR=str(folder)))
     wall = time.monotonic() - started
     if process.returncode:
         sys.exit(f"{variant}: exit {process.returncode}\n{process.stderr[-4000:]}")
-    backups = [tuple(map(float, numbers)) for numbers in _BACKUP_LINE.findall(process.stderr)]
-    epochs = [(int(seconds), int(step_ms)) for seconds, step_ms in _EPOCH_LINE.findall(process.stdout)]
-    return {"backups": backups, "epoch_s": statistics.mean(s for s, _ in epochs) if epochs else float("nan"),
-            "step_ms": statistics.mean(ms for _, ms in epochs) if epochs else float("nan"), "wall_s": wall}
+    log = process.stderr
+    if variant == "backups":
+        backups = [tuple(map(float, numbers)) for numbers in _BACKUP_LINE.findall(log)]
+        files = {"megabytes": backups[0][0], "waits": [b[1] for b in backups], "writes": [b[2] for b in backups]}
+    elif variant.startswith("checkpoint"):
+        in_background = variant == "checkpoint-background"
+        waits = [float(s) for s in (_STAGED_LINE if in_background else _IN_PLACE_LINE).findall(log)]
+        writes = [float(s) for s in _COPIED_LINE.findall(log)] if in_background else []
+        size = (folder / "output" / "checkpoint.weights.h5").stat().st_size / 1e6
+        files = {"megabytes": size, "waits": waits, "writes": writes}
+    else:
+        files = None
+    step_ms = [int(step) * (1 if unit == "ms" else 1000) for _, step, unit in _EPOCH_LINE.findall(process.stdout)]
+    if not step_ms:
+        sys.exit(f"{variant}: no epoch line with a step time in the example's output:\n{process.stdout[-2000:]}")
+    return {"files": files, "step_ms": statistics.mean(step_ms), "wall_s": wall}
+
+
+def seconds(values):
+    return f"{statistics.median(values):.3f}, {max(values):.3f}" if values else "-"
 
 
 def main():
@@ -59,30 +94,39 @@ def main():
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--every-steps", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=2, help="runs of every variant, interleaved")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, from {', '.join(VARIANTS)} (default: all; 'none' is always run)")
     options = parser.parse_args()
-    results = {}
-    for variant in ("none", "epoch", "steps"):
-        with tempfile.TemporaryDirectory(prefix=f"tnt-backup-bench-{variant}-") as folder:
-            results[variant] = run(variant, options, pathlib.Path(folder))
-        print(f"{variant}: done", file=sys.stderr, flush=True)
+    named = options.variants.split(",")
+    unknown = [variant for variant in named if variant not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    chosen = [variant for variant in VARIANTS if variant in named or variant == "none"]
+    results = {variant: [] for variant in chosen}
+    for round_number in range(options.rounds):
+        for variant in chosen if round_number % 2 == 0 else chosen[::-1]:
+            with tempfile.TemporaryDirectory(prefix=f"tnt-backup-bench-{variant}-") as folder:
+                results[variant].append(run(variant, options, pathlib.Path(folder)))
+            print(f"round {round_number + 1}, {variant}: {results[variant][-1]['step_ms']:.0f} ms/step",
+                  file=sys.stderr, flush=True)
     steps = -(-options.samples // options.batch_size)
-    names = {"none": "no backups", "epoch": "every epoch", "steps": f"every epoch and every {options.every_steps} steps"}
     print(f"ResNet-50, {options.ranks} ranks, {options.epochs} epoch(s) of {steps} steps, global batch "
-          f"{options.batch_size}, 32x32 images")
-    print("| backups | written | MB each | s the step waits, copying (median, max) | s writing, in a thread (median, "
-          "max) | ms per step | s per epoch | step vs. no backups |")
-    print("|---|---|---|---|---|---|---|---|")
-    baseline = results["none"]["step_ms"]
-    for variant, result in results.items():
-        backups = result["backups"]
-        if backups:
-            copied, written = [b[1] for b in backups], [b[2] for b in backups]
-            cells = (f"{len(backups)}", f"{backups[0][0]:.0f}", f"{statistics.median(copied):.3f}, {max(copied):.3f}",
-                     f"{statistics.median(written):.3f}, {max(written):.3f}", f"{result['step_ms']:.0f}",
-                     f"{result['epoch_s']:.0f}", f"{100 * (result['step_ms'] / baseline - 1):+.1f}%")
+          f"{options.batch_size}, 32x32 images, {options.rounds} round(s)")
+    print("| variant | files written per run | MB each | s the step waits per file (median, max) | s a thread writes "
+          "(median, max) | ms per step, per round | step vs. no backups, per round |")
+    print("|---|---|---|---|---|---|---|")
+    for variant, runs in results.items():
+        files = [run["files"] for run in runs if run["files"]]
+        step = ", ".join(f"{run['step_ms']:.0f}" for run in runs)
+        ratios = ", ".join(f"{100 * (run['step_ms'] / none['step_ms'] - 1):+.1f}%"
+                           for run, none in zip(runs, results["none"])) if variant != "none" else ""
+        if files:
+            cells = (f"{len(files[0]['waits'])}", f"{files[0]['megabytes']:.0f}",
+                     seconds([s for f in files for s in f["waits"]]), seconds([s for f in files for s in f["writes"]]))
         else:
-            cells = ("0", "-", "-", "-", f"{result['step_ms']:.0f}", f"{result['epoch_s']:.0f}", "")
-        print(f"| {names[variant]} | " + " | ".join(cells) + " |")
+            cells = ("-", "-", "-", "-")
+        print(f"| {names(options)[variant]} | " + " | ".join(cells) + f" | {step} | {ratios} |")
 
 
 if __name__ == "__main__":

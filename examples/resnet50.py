@@ -31,7 +31,9 @@ give first-epoch losses 4.4% apart (second epoch: 39%), and a 2-rank run differs
 as much (7.4%, 41%).
 
 The master alone writes the callbacks' files into `--output-dir`: the weights after each
-epoch (ModelCheckpoint), the logs per epoch (CSVLogger) and TensorBoard summaries.
+epoch (ModelCheckpoint; `--checkpoint-every-steps N` for every N steps, and
+`--checkpoint-in-background` to write them while training goes on), the logs per epoch
+(CSVLogger) and TensorBoard summaries.
 """
 
 import argparse
@@ -165,6 +167,11 @@ def main(argv=None):
                         help="as in the TF Model Garden's ResNet; Keras' 0.99 suits long runs only")
     parser.add_argument("--model", choices=["resnet50", "tiny"], default="resnet50",
                         help="tiny: two bottleneck stages instead of ResNet-50, for quick tests")
+    parser.add_argument("--checkpoint-every-steps", type=int,
+                        help="ModelCheckpoint saves after every this many steps (default: after each epoch)")
+    parser.add_argument("--checkpoint-in-background", action="store_true",
+                        help="ModelCheckpoint writes from a thread while training goes on (tarantella's "
+                             "write_in_background)")
     parser.add_argument("--output-dir", default="resnet50_output", help="the callbacks' files (master only)")
     parser.add_argument("--history-json", help="the master writes the History here")
     parser.add_argument("--seed", type=int, default=1)
@@ -204,7 +211,11 @@ def main(argv=None):
 
     # Plain Keras callbacks: tarantella runs these three on the master only.
     output_dir = pathlib.Path(args.output_dir)
-    callbacks = [keras.callbacks.ModelCheckpoint(str(output_dir / "checkpoint.weights.h5"), save_weights_only=True),
+    checkpoint = keras.callbacks.ModelCheckpoint(str(output_dir / "checkpoint.weights.h5"), save_weights_only=True,
+                                                 save_freq=args.checkpoint_every_steps or "epoch")
+    if args.checkpoint_in_background:
+        checkpoint = tnt.keras.callbacks.Callback(checkpoint, write_in_background=True)
+    callbacks = [checkpoint,
                  keras.callbacks.CSVLogger(str(output_dir / "training_log.csv")),
                  keras.callbacks.TensorBoard(log_dir=str(output_dir / "tensorboard"))]
     if tnt.is_master_rank():

@@ -97,9 +97,8 @@ class AutomaticBackups(keras.callbacks.Callback):
             return
         started = time.monotonic()
         training, metrics = self._variables()
-        # Copies: a framework may reuse a variable's buffer in the next step (JAX donates it, torch
-        # updates in place), while the writer still reads it.
-        arrays = [np.array(v.numpy(), copy=True, order="C") for v in training + metrics]
+        snapshot = backends.step_class().snapshot
+        arrays = [snapshot(v) for v in training + metrics]
         copied_s = time.monotonic() - started
         header = {"fit": self._fit_number, "epoch": epoch, "step": step, "completed": completed,
                   "metric_variables": len(metrics), "variables": [_describe(v) for v in training + metrics],
@@ -216,7 +215,8 @@ class AutomaticBackups(keras.callbacks.Callback):
         if self._comm.stop_agreed:
             self._backup(self._epoch, done, wait=True)
             self._stop(self._epoch, done)
-        if self._every_steps and self._steps_since_backup >= self._every_steps:
+        # Not at the epoch's last step: the epoch's own backup follows at once, and would wait for this one.
+        if self._every_steps and self._steps_since_backup >= self._every_steps and done != self.params.get("steps"):
             self._backup(self._epoch, done)
 
     def on_epoch_end(self, epoch, logs=None):

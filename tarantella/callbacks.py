@@ -40,15 +40,20 @@ class Callback(keras.callbacks.Callback):
         aggregate_logs: True (default) gives the callback the global logs, equal to those of a
             serial run; False gives it the values of this rank's own micro-batches.
         run_on_all_ranks: True (default) runs it on every rank; False on the master only.
+        write_in_background: ModelCheckpoint only. True has Keras write each checkpoint into the
+            master's temporary folder (TMPDIR) at the step, and a thread copy it into place while
+            training goes on; one checkpoint is in flight at a time, and fit returns once the
+            last is in place. False (default) writes it in place while training waits.
 
     Raises:
         TypeError: `callback` is no Keras callback, is wrapped already, or a setting is not a bool.
         ValueError: a callback that decides how every rank trains (EarlyStopping,
-            ReduceLROnPlateau, LearningRateScheduler, TerminateOnNaN) with either setting False.
+            ReduceLROnPlateau, LearningRateScheduler, TerminateOnNaN) with either setting False;
+            `write_in_background=True` for a callback other than ModelCheckpoint.
     """
 
     def __init__(self, callback: keras.callbacks.Callback, aggregate_logs: bool = True,
-                 run_on_all_ranks: bool = True) -> None:
+                 run_on_all_ranks: bool = True, write_in_background: bool = False) -> None:
         super().__init__()
         if isinstance(callback, Callback):
             raise TypeError("This callback is already a tnt.keras.callbacks.Callback; wrap the Keras "
@@ -56,7 +61,8 @@ class Callback(keras.callbacks.Callback):
         if not isinstance(callback, keras.callbacks.Callback):
             raise TypeError(f"tnt.keras.callbacks.Callback wraps a keras.callbacks.Callback; got "
                             f"{type(callback).__name__}.")
-        for name, value in (("aggregate_logs", aggregate_logs), ("run_on_all_ranks", run_on_all_ranks)):
+        for name, value in (("aggregate_logs", aggregate_logs), ("run_on_all_ranks", run_on_all_ranks),
+                            ("write_in_background", write_in_background)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False; got {value!r}.")
         if isinstance(callback, _DECIDING) and not (aggregate_logs and run_on_all_ranks):
@@ -65,7 +71,11 @@ class Callback(keras.callbacks.Callback):
                 "with the global logs: with aggregate_logs=False or run_on_all_ranks=False the ranks would "
                 "decide differently (stop at different epochs, use different learning rates) and the "
                 "job would diverge or hang. Pass it to fit() unwrapped.")
+        if write_in_background and not isinstance(callback, keras.callbacks.ModelCheckpoint):
+            raise ValueError(f"write_in_background=True applies to keras.callbacks.ModelCheckpoint; got "
+                             f"{type(callback).__name__}. Leave it False for this callback.")
         self.callback = callback
+        self.write_in_background = write_in_background
         self.aggregate_logs = aggregate_logs
         self.run_on_all_ranks = run_on_all_ranks and not isinstance(callback, _PRINTING_OR_WRITING + _SAVING)
 
@@ -91,8 +101,10 @@ class Callback(keras.callbacks.Callback):
         if self.run_on_all_ranks:
             getattr(self.callback, hook)(*args, logs=logs)
             return
-        with saving.master_alone(), _told_to_every_rank(self.callback, self.model):
+        with saving.master_alone(self.write_in_background), _told_to_every_rank(self.callback, self.model):
             getattr(self.callback, hook)(*args, logs=logs)
+            if hook == "on_train_end" and self.write_in_background:
+                saving.wait_for_background_write()  # fit returns with the last checkpoint in place
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._call("on_train_begin", logs=logs)

@@ -5,28 +5,110 @@ renamed over the target: a crash mid-write leaves the previous file as it was. O
 writes unless `tnt_save_all_devices=True`; every rank returns once the file is complete, and
 if a write fails every rank raises. Saved files are plain Keras files, so a serial program
 reads them with `keras.models.load_model`.
+
+A master-only callback that writes in the background (ModelCheckpoint wrapped with
+`write_in_background=True`) has Keras write the file into the master's temporary folder (TMPDIR,
+node-local on clusters), which takes the step's time; a thread then copies it into place while
+training goes on. One such file is in flight at a time: the next waits for it, and fit's end
+waits for the last.
 """
 
 import contextlib
+import logging
 import os
+import shutil
 import socket
+import tempfile
+import threading
+import time
 import uuid
 
 from tarantella.common import backup_files
 from tarantella.runtime import events, world
 
+logger = logging.getLogger("tarantella")
+
 _master_alone = False  # True while a master-only callback runs: the other ranks are not saving
+_in_background = False  # True while such a callback's saves may be copied into place by a thread
 
 
 @contextlib.contextmanager
-def master_alone():
-    """Saves inside this block are made by the master without waiting for the other ranks."""
-    global _master_alone
-    previous, _master_alone = _master_alone, True
+def master_alone(in_background=False):
+    """Saves inside this block are made by the master without waiting for the other ranks; with
+    `in_background`, a thread copies each into place while training goes on."""
+    global _master_alone, _in_background
+    previous = _master_alone, _in_background
+    _master_alone, _in_background = True, in_background
     try:
         yield
     finally:
-        _master_alone = previous
+        _master_alone, _in_background = previous
+
+
+class _BackgroundCopy:
+    """The one file in flight: staged whole in the temporary folder, copied into place by a thread."""
+
+    def __init__(self, staged, path):
+        self.path = path
+        self.error = None
+        self._thread = threading.Thread(target=self._copy_into_place, args=(staged,),
+                                        name="tarantella-checkpoint")
+        self._thread.start()
+
+    def _copy_into_place(self, staged):
+        started = time.monotonic()
+        try:
+            _write_then_rename(self.path, lambda partial: shutil.copyfile(staged, partial))
+            logger.debug("checkpoint %s copied into place in %.3f s", self.path, time.monotonic() - started)
+        except Exception as error:  # raised by wait_for_background_write
+            self.error = error
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(staged)
+
+    def join(self):
+        self._thread.join()
+
+
+_in_flight = None
+
+
+def wait_for_background_write():
+    """Returns once the file a thread copies into place is there; raises if copying it failed."""
+    global _in_flight
+    copy, _in_flight = _in_flight, None
+    if copy is None:
+        return
+    copy.join()
+    if copy.error is not None:
+        raise OSError(f"Writing the checkpoint {copy.path} in the background failed: {copy.error}. The file "
+                      "there, if any, is the previous one, whole. Give the checkpoint a folder with room that "
+                      "the master can write.") from copy.error
+
+
+def _write_in_background(path, write):
+    """Keras writes the file into the temporary folder now; a thread copies it into place."""
+    global _in_flight
+    folder, name = tempfile.gettempdir(), os.path.basename(path)
+    backup_files.remove_abandoned_partial_files(folder, name)
+    staged = _partial_path(folder, name)
+    started = time.monotonic()
+    try:
+        with events.span(f"stage {name}"):
+            write(staged)
+    except OSError as error:  # no room in the temporary folder: written in place, as without the option
+        with contextlib.suppress(OSError):
+            os.remove(staged)
+        logger.warning("Could not stage %s in %s (%s); writing it in place while training waits.", name, folder,
+                       error)
+        _write_then_rename(path, write)
+        return
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(staged)
+        raise
+    logger.debug("checkpoint %s staged in %.3f s (the step waited for this)", path, time.monotonic() - started)
+    _in_flight = _BackgroundCopy(staged, path)
 
 
 def write_whole(filepath, write, overwrite=True, save_all_devices=False):
@@ -38,6 +120,9 @@ def write_whole(filepath, write, overwrite=True, save_all_devices=False):
                          "Save to a local path, then copy the file.")
     writes_here = save_all_devices or _master_alone or comm.rank == world.MASTER_RANK
     together = comm.size > 1 and not _master_alone
+    background = _master_alone and _in_background and not save_all_devices
+    if background:
+        wait_for_background_write()  # one file in flight, and the overwrite check below sees it in place
     if not overwrite:
         # Decided before anyone writes: a rank looking after the master's rename would see
         # the new file and fail.
@@ -48,11 +133,16 @@ def write_whole(filepath, write, overwrite=True, save_all_devices=False):
         if exists:
             raise FileExistsError(f"{path} exists and overwrite=False. Pass overwrite=True to replace it, "
                                   "or choose another path.")
+    if background:
+        _write_in_background(os.path.abspath(path), write)
+        return
     error = None
     if writes_here:
+        started = time.monotonic()
         try:
             with events.span(f"save {os.path.basename(path)}"):
                 _write_then_rename(path, write)
+            logger.debug("%s written in place in %.3f s", path, time.monotonic() - started)
         except Exception as exc:  # reported to every rank below, then raised here
             error = exc
     if together:
@@ -68,15 +158,10 @@ def write_whole(filepath, write, overwrite=True, save_all_devices=False):
         raise error
 
 
-
-
 def _write_then_rename(path, write):
     folder, name = os.path.split(os.path.abspath(path))
     backup_files.remove_abandoned_partial_files(folder, name)
-    # The partial file keeps the target's name as its suffix (Keras checks the extension), and
-    # the writer's host and process, so that a later save can tell an abandoned one.
-    partial = os.path.join(folder, f"{backup_files.PARTIAL_PREFIX}{socket.gethostname()}-{os.getpid()}-"
-                                   f"{uuid.uuid4().hex[:12]}-{name}")
+    partial = _partial_path(folder, name)
     try:
         write(partial)
         os.replace(partial, path)
@@ -88,6 +173,13 @@ def _write_then_rename(path, write):
     finally:
         if os.path.exists(partial):
             os.remove(partial)
+
+
+def _partial_path(folder, name):
+    # The partial file keeps the target's name as its suffix (Keras checks the extension), and
+    # the writer's host and process, so that a later save can tell an abandoned one.
+    return os.path.join(folder, f"{backup_files.PARTIAL_PREFIX}{socket.gethostname()}-{os.getpid()}-"
+                                f"{uuid.uuid4().hex[:12]}-{name}")
 
 
 def _naming_the_target(error, partial, path):

@@ -12,6 +12,7 @@ from conftest import run_python
 from tarantella import backends
 from tarantella.backends import loss_terms
 from tarantella.backends.tensorflow import traced_step
+from tarantella.backends.tensorflow.step import TensorFlowStep
 
 
 def test_a_loss_hands_its_output_mask_and_ignored_classes_to_the_reduction_tarantella_replaces():
@@ -263,3 +264,18 @@ def test_tensorflow_tells_whether_a_global_seed_is_set():
         assert tf.compat.v1.get_seed(None)[0] == 3
     finally:
         tf.random.set_seed(None)
+
+
+def test_a_tensorflow_variable_read_is_not_changed_by_later_updates():
+    """TensorFlow's step snapshots variables for a backup by reading them, without copying: a later
+    assignment or optimizer update must write into a new buffer, not into the one that was read."""
+    variable = keras.Variable(np.arange(6, dtype="float32").reshape(2, 3))
+    optimizer = keras.optimizers.SGD(0.5, momentum=0.9)
+    optimizer.build([variable])
+    read = TensorFlowStep.snapshot(variable)
+    before = read.copy()
+    variable.assign_add(np.ones((2, 3), "float32"))
+    optimizer.apply([tf.ones((2, 3))], [variable])
+    tf.function(lambda: optimizer.apply([tf.ones((2, 3))], [variable]))()  # as in the traced step
+    np.testing.assert_array_equal(read, before)
+    assert not np.array_equal(variable.numpy(), before)

@@ -110,6 +110,7 @@ def test_contradictory_wrapper_settings_are_refused(tmp_path):
         assert "already a tnt.keras.callbacks.Callback" in errors[2]
         assert "aggregate_logs must be True or False" in errors[3]
         assert "wraps a keras.callbacks.Callback" in errors[4]
+        assert "write_in_background=True applies to keras.callbacks.ModelCheckpoint; got CSVLogger" in errors[5]
 
 
 def test_backup_and_restore_resumes_every_rank_at_the_failed_epoch_in_its_sample_order(tmp_path):
@@ -157,6 +158,34 @@ def test_configs_clones_and_set_weights(tmp_path):
         difference, history, serial_history = result["sequential_vs_serial"]
         assert difference <= 1e-5
         assert_same_logs(history, serial_history)
+
+
+def test_checkpoints_written_in_background_hold_each_epochs_serial_state(tmp_path):
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    results, _ = run("background_checkpoints", tmp_path, env={"TMPDIR": str(staging)})
+    for rank, result in enumerate(results):
+        # Each file is the state at its epoch's end, though training went on while it was copied.
+        assert len(result["differences"]) == 4 and max(result["differences"]) < 1e-5, (rank, result["differences"])
+        assert result["iterations"] == 4 * 5  # 135 samples in batches of 32, the last epoch's file
+        assert result["staged"] == []
+    assert files_of(tmp_path / "rank0") == [f"epoch{epoch}.keras" for epoch in range(1, 5)]
+    assert files_of(tmp_path / "rank1") == []
+
+
+def test_a_background_save_returns_before_its_copy_and_appears_whole_after_it(tmp_path):
+    results, _ = run("background_copy", tmp_path, ranks=1)
+    assert results[0] == {"there_before_the_copy": False, "contents": "the whole file", "files": ["model.weights.h5"]}
+
+
+def test_a_checkpoint_that_fails_in_the_background_stops_every_rank_naming_it(tmp_path, full_disk):
+    process = launch(2, WORKER, "background_checkpoints", tmp_path, full_disk)
+    assert process.returncode != 0
+    # Raised on the master at the next checkpoint, told to rank 1 at its next collective.
+    failure = (f"ModelCheckpoint on rank 0 failed: OSError: Writing the checkpoint {full_disk}/epoch1.keras in the "
+               "background failed: [Errno 28] No space left on device")
+    assert "rank 1 on host" in process.stderr and failure in process.stderr, process.stderr
+    assert files_of(full_disk) == []  # no partial file left
 
 
 def test_a_failed_save_keeps_the_old_file_and_raises_on_every_rank(tmp_path):

@@ -9,6 +9,8 @@ names the feature and the backend.
 
 import abc
 
+import numpy as np
+
 
 class Step(abc.ABC):
     """A backend's global step: the wrapped model's Keras steps, run on each rank's micro-batch and
@@ -81,6 +83,13 @@ class Step(abc.ABC):
         """`leaf` of the values passed to the public collective tnt.`name`, as the collectives take it:
         a TensorFlow tensor or variable, a NumPy array or number, or None."""
         return leaf
+
+    @classmethod
+    def snapshot(cls, variable):
+        """A NumPy copy of `variable`'s value that later steps cannot change (the backups write it
+        while training goes on)."""
+        # A framework may reuse the buffer in the next step (JAX donates it, torch updates in place).
+        return np.array(variable.numpy(), copy=True, order="C")
 
     @classmethod
     @abc.abstractmethod

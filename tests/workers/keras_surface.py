@@ -189,7 +189,8 @@ def wrapper_errors(out):
                 lambda: tnt.keras.callbacks.Callback(keras.callbacks.ReduceLROnPlateau(), aggregate_logs=False),
                 lambda: tnt.keras.callbacks.Callback(tnt.keras.callbacks.Callback(Recorder())),
                 lambda: tnt.keras.callbacks.Callback(Recorder(), aggregate_logs="yes"),
-                lambda: tnt.keras.callbacks.Callback(lambda epoch: None)]
+                lambda: tnt.keras.callbacks.Callback(lambda epoch: None),
+                lambda: tnt.keras.callbacks.Callback(keras.callbacks.CSVLogger("log.csv"), write_in_background=True)]
     for attempt in attempts:
         try:
             attempt()
@@ -512,10 +513,58 @@ def shared_layers(out):
                                               serial_inference.predict(x, verbose=0))))}
 
 
+def background_checkpoints(out):
+    """ModelCheckpoint wrapped with write_in_background=True, a file per epoch, next to serial Keras'
+    plain ModelCheckpoint; with a third argument, the checkpoints go to that folder (a full disk)."""
+    x, y = arrays()
+    epochs = 4
+
+    def checkpoint(folder):
+        return keras.callbacks.ModelCheckpoint(os.path.join(folder, "epoch{epoch}.keras"))
+
+    serial = compiled(build(), learning_rate=0.01, optimizer="adam")
+    model = compiled(tnt.Model(build()), learning_rate=0.01, optimizer="adam")
+    serial_folder = os.path.join(out, "serial")
+    os.makedirs(serial_folder, exist_ok=True)
+    serial.fit(dataset(x, y, 32), epochs=epochs, verbose=0, callbacks=[checkpoint(serial_folder)])
+    folder = sys.argv[3] if len(sys.argv) > 3 else own_folder(out)
+    model.fit(dataset(x, y, 32), epochs=epochs, verbose=0,
+              callbacks=[tnt.keras.callbacks.Callback(checkpoint(folder), write_in_background=True)])
+    differences = []
+    for epoch in range(1, epochs + 1):
+        saved = keras.models.load_model(os.path.join(out, "rank0", f"epoch{epoch}.keras"))
+        expected = keras.models.load_model(os.path.join(serial_folder, f"epoch{epoch}.keras"))
+        pairs = list(zip(saved.get_weights(), expected.get_weights()))
+        pairs += [(a.numpy(), b.numpy()) for a, b in zip(saved.optimizer.variables, expected.optimizer.variables)]
+        differences.append(max(float(np.max(np.abs(a - b))) for a, b in pairs))
+    return {"differences": differences, "iterations": int(saved.optimizer.iterations.numpy()),
+            "staged": os.listdir(os.environ["TMPDIR"])}
+
+
+def background_copy(out):
+    """A save made in the background returns while its copy into place is held up; the file appears,
+    whole, once the copy may go on."""
+    import threading
+
+    from tarantella import saving
+
+    release, copy = threading.Event(), saving.shutil.copyfile
+    saving.shutil.copyfile = lambda source, target: (release.wait(30), copy(source, target))[1]
+    target = os.path.join(own_folder(out), "model.weights.h5")
+    with saving.master_alone(in_background=True):
+        saving.write_whole(target, lambda path: open(path, "wb").write(b"the whole file"))
+    there_before = os.path.exists(target)
+    release.set()
+    saving.wait_for_background_write()
+    return {"there_before_the_copy": there_before, "contents": open(target, "rb").read().decode(),
+            "files": sorted(os.listdir(os.path.dirname(target)))}
+
+
 SCENARIOS = {function.__name__: function for function in (
     deciding_callbacks, terminate_on_nan, writing_callbacks, custom_callbacks, wrapper_errors,
     backup_and_restore, save_and_resume, configs_and_weights, failed_save, batch_options, manual_sharding,
-    manual_sharding_uneven, batch_normalization_warning, shared_layers)}
+    manual_sharding_uneven, batch_normalization_warning, shared_layers, background_checkpoints,
+    background_copy)}
 
 
 def main():

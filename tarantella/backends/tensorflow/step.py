@@ -70,6 +70,12 @@ class TensorFlowStep(Step):
         devices.configure(share, threads, computes_steps=True)
 
     @classmethod
+    def snapshot(cls, variable):
+        # Reading a variable gives a value that no later update changes: TensorFlow writes an update
+        # of a buffer that someone still reads into a new buffer. So the read is the copy.
+        return variable.numpy()
+
+    @classmethod
     def replayed_train_function(cls, model, train_function, replayer):
         def train_or_replay(iterator):
             if replayer.over():
