@@ -12,7 +12,7 @@ from typing import Any
 import keras
 
 from tarantella import saving
-from tarantella.model import Model
+from tarantella.model import Model, batch_normalization
 
 __all__ = ["clone_model", "load_model", "model_from_config", "model_from_json", "save_model"]
 
@@ -38,11 +38,12 @@ def save_model(model: keras.Model, filepath: str | os.PathLike, overwrite: bool 
         return model.save(filepath, overwrite=overwrite, tnt_save_all_devices=tnt_save_all_devices, **kwargs)
     if not isinstance(model, keras.Model):
         raise TypeError(f"save_model saves a keras.Model or tnt.Model; got {type(model).__name__}.")
-    saving.write_whole(filepath, lambda partial: model.save(partial, **kwargs), overwrite, tnt_save_all_devices)
+    saving.write_whole(filepath, lambda partial: batch_normalization.save_as_serial_keras(model, partial, **kwargs),
+                       overwrite, tnt_save_all_devices)
 
 
 def load_model(filepath: str | os.PathLike, custom_objects: dict[str, Any] | None = None, compile: bool = True,
-               safe_mode: bool = True) -> Model:
+               safe_mode: bool = True, synchronized_batch_normalization: bool = False) -> Model:
     """Loads a saved model as a tnt.Model, compiled (with its optimizer state) if it was saved so.
 
     Every rank reads the file, so it must be visible to all of them.
@@ -52,13 +53,16 @@ def load_model(filepath: str | os.PathLike, custom_objects: dict[str, Any] | Non
         custom_objects: the user's classes and functions the model needs, by name.
         compile: False loads the model uncompiled.
         safe_mode: as in `keras.models.load_model` (False allows loading lambdas).
+        synchronized_batch_normalization: as for `tnt.Model`. A saved file holds the layers as
+            serial Keras has them, so a model trained with synchronized BatchNormalization asks
+            for it again here.
 
     Returns:
         tarantella.Model: the loaded model.
     """
     keras_model = keras.models.load_model(filepath, custom_objects=custom_objects, compile=compile,
                                           safe_mode=safe_mode)
-    return _wrap(keras_model)
+    return _wrap(keras_model, synchronized_batch_normalization)
 
 
 def model_from_config(config: dict[str, Any], custom_objects: dict[str, Any] | None = None) -> Model:
@@ -98,11 +102,13 @@ def clone_model(model: keras.Model, **kwargs: Any) -> Model:
         tarantella.Model: the clone.
     """
     keras_model = model._keras_model if isinstance(model, Model) else model
-    return Model(keras.models.clone_model(keras_model, **kwargs))
+    with batch_normalization.configs_as_serial_keras_writes(keras_model):
+        clone = keras.models.clone_model(keras_model, **kwargs)
+    return Model(clone)
 
 
-def _wrap(keras_model):
-    model = Model(keras_model)
+def _wrap(keras_model, synchronized_batch_normalization=False):
+    model = Model(keras_model, synchronized_batch_normalization=synchronized_batch_normalization)
     if keras_model.compiled:
         arguments = keras.saving.deserialize_keras_object(keras_model.get_compile_config())
         arguments["optimizer"] = keras_model.optimizer  # keeps the loaded optimizer state

@@ -72,6 +72,24 @@ def assert_ranks_like_serial(serial_dir, out, cases, ranks, backend="", weights_
                     np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-7, err_msg=context)
 
 
+def assert_saved_synchronized_model_trains_on_like_serial(backend, ranks, folder, weights_rtol=0.0):
+    """A file that tnt.Model.save wrote on `ranks` ranks from a model with synchronized
+    BatchNormalization loads with keras.models.load_model on every rank and in a process without
+    tarantella, and, trained on for an epoch there and under
+    tnt.models.load_model(..., synchronized_batch_normalization=True) on the ranks, ends as serial
+    Keras' own file does (tests/workers/synchronized_batch_norm.py, case sync-bn-saved)."""
+    worker, case, env = WORKERS / "synchronized_batch_norm.py", "sync-bn-saved", {"KERAS_BACKEND": backend}
+    serial, ranks_dir, read_serially = folder / "serial", folder / "ranks", folder / "read-serially"
+    for out in (serial, ranks_dir, read_serially):
+        out.mkdir()
+    arguments = (worker, "--mode", "tnt", "--out", ranks_dir, "--cases", case)
+    assert_ok(run_python(*arguments, env=env) if ranks == 1 else launch(ranks, *arguments, env=env))
+    assert_ok(run_python(worker, "--mode", "serial", "--out", serial, "--cases", case,
+                         "--train-on-saved", ranks_dir / f"{case}.keras", read_serially, env=env))
+    assert_ranks_like_serial(serial, ranks_dir, [case], ranks, backend, weights_rtol)
+    assert_ranks_like_serial(serial, read_serially, [case], 1, backend, weights_rtol)
+
+
 def refusals_by_rank(stdout):
     """{rank: message} of the lines "rank R refused: ..." that ranks print; the ranks' lines may
     arrive interleaved, so each is read up to the next one."""

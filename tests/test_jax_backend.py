@@ -4,14 +4,16 @@ The ranks run tests/workers/train_cases.py (the equivalence matrix's worker) wit
 KERAS_BACKEND=jax, against the same worker run serially on JAX, at test_equivalence.py's
 tolerances. The default slice covers even, uneven (global batch 71 on 2 ranks) and empty
 micro-batches (batch 2: the last global batch of 1 sample leaves rank 1 without one), and the
-refusals, synchronized BatchNormalization (one dense layer, 2 ranks), two of the masked and
+refusals, synchronized BatchNormalization (one dense layer, 2 ranks; and a conv net saved with it,
+loaded by Keras and by tnt.models.load_model and trained on), two of the masked and
 summed losses of tests/workers/real_models.py on 2 ranks, callbacks with saving and loading
 (tests/workers/callbacks_and_saving.py), and a restart from an automatic backup.
 The default slice also trains on a parallel interleave of TFRecord files and a shuffled PyDataset
 (tests/workers/backend_inputs.py), and runs the public collectives and a custom loop outside jitted
 code (tests/workers/backend_collectives.py), on 2 ranks.
 TNT_BACKEND_TESTS=1 adds every case on 2 ranks, the uneven cases, the masked, weighted and
-summed losses and synchronized BatchNormalization (conv nets) on 3 ranks, every file source,
+summed losses and synchronized BatchNormalization (conv nets) on 3 ranks, the saved conv net on 1
+and 3 ranks, every file source,
 PyDataset and NumPy case on 2 and 3 ranks, the collectives on 3 ranks, a rank killed mid-epoch
 and the job restarted, and the LeNet-5 example under JAX. Skipped where jax is not
 installed (pip install -e ".[cpu,mpich,test,jax]").
@@ -25,8 +27,9 @@ import subprocess
 import numpy as np
 import pytest
 
-from conftest import (WORKERS, assert_ok, assert_ranks_like_serial, launch, launcher_command, load_npz, quiet_env,
-                      refusals_by_rank, run_python)
+from conftest import (WORKERS, assert_ok, assert_ranks_like_serial,
+                      assert_saved_synchronized_model_trains_on_like_serial, launch, launcher_command, load_npz,
+                      quiet_env, refusals_by_rank, run_python)
 from test_equivalence import UNEVEN_SPLIT_CASES
 from test_restarts import JOB, restart_lines, tarantella
 from test_example import EXAMPLE, SHORT_RUN, accuracy_in, mnist_installed
@@ -126,6 +129,15 @@ def test_synchronized_batch_normalization_trains_like_serial_keras_on_jax(ranks,
     # The global moments are combined in float64 from each rank's float32 ones, where Keras takes the
     # batch's in float32: with fit's shuffle, Adam grows that rounding to 1.3e-5 on a weight of 7.5.
     assert_ranks_like_serial(serial, out, cases, ranks, "JAX", weights_rtol=SYNCHRONIZED_MOMENTS_RTOL)
+
+
+@pytest.mark.parametrize("ranks", [2, pytest.param(1, marks=needs_all), pytest.param(3, marks=needs_all)])
+def test_a_model_saved_with_synchronized_batch_normalization_loads_and_trains_on_like_serial_keras_on_jax(
+        ranks, tmp_path):
+    """Keras-on-JAX refuses a layer saved with synchronized=True: tnt.Model.save writes the layers as
+    the user built them, and tnt.models.load_model synchronizes them again when asked to."""
+    assert_saved_synchronized_model_trains_on_like_serial("jax", ranks, tmp_path,
+                                                          weights_rtol=SYNCHRONIZED_MOMENTS_RTOL)
 
 
 @pytest.mark.parametrize("feature, named", [

@@ -236,6 +236,13 @@ for _ in range(2):
     for _ in iterator:
         pass
 assert len(made) == 2 * 2, made  # each epoch's iterator and the one made for the next epoch
+
+# How the trainers' _symbolic_build builds a model from symbolic inputs, which model/inputs.py calls
+# before predict: it builds a Sequential model without an Input too.
+from keras.src import backend as keras_backend
+unbuilt = keras.Sequential([keras.layers.Flatten(), keras.layers.Dense(2)])
+output = keras_backend.compute_output_spec(unbuilt, keras.KerasTensor((None, 4, 3), "float32"), training=False)
+assert unbuilt.built and tuple(output.shape) == (None, 2) and tuple(unbuilt.layers[1].kernel.shape) == (12, 2)
 print("checked")
 """
 
@@ -245,7 +252,8 @@ def test_keras_builds_from_its_own_epoch_iterator_over_the_inputs_it_batches(bac
     """keras_batches.py hands arrays, PyDatasets and DataLoaders to Keras' adapters: it needs Keras'
     test of array inputs, its validation split and array adapter, the build hook each backend's
     fit and evaluate call with their epoch iterator (_symbolic_build on JAX and torch,
-    _maybe_symbolic_build on TensorFlow), and the epoch iterator's parts it replays."""
+    _maybe_symbolic_build on TensorFlow), the epoch iterator's parts it replays, and the function
+    that _symbolic_build builds a model with, which tnt.Model calls before predict."""
     if importlib.util.find_spec(backend) is None:
         pytest.skip(f"{backend} is not installed")
     script = tmp_path / "keras_batches.py"

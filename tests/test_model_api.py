@@ -94,7 +94,7 @@ WRAPPER_OWN = {
     "run_eagerly", "steps_per_execution", "stateless_call", "symbolic_call", "built", "distribute_strategy",
     "distribute_reduction_method", "export", "get_state_tree", "set_state_tree", "name", "path",
     "trainable", "add_loss", "add_metric", "add_weight", "add_variable", "build_from_config",
-    "compile_from_config",
+    "compile_from_config", "to_json",
 }
 
 
@@ -126,3 +126,36 @@ def test_every_public_attribute_answers_as_the_wrapped_model_does():
     assert not differing, f"tnt.Model answers these differently from the wrapped model: {differing}"
     assert model.compute_output_shape((None, 5)) == plain.compute_output_shape((None, 5))
     assert repr(model.input_spec) == repr(plain.input_spec)
+
+
+def synchronized_flags(config):
+    """{layer name: synchronized} of the BatchNormalization layers in a functional model's config."""
+    return {layer["config"]["name"]: layer["config"]["synchronized"] for layer in config["layers"]
+            if layer["class_name"] == "BatchNormalization"}
+
+
+def test_saves_and_configs_hold_batch_normalization_as_the_user_built_it(tmp_path, monkeypatch):
+    """On 2 or more ranks, synchronized_batch_normalization=True switches the layers
+    (batch_normalization.synchronize, called here on one rank). What is saved is the user's model: a
+    layer tarantella switched unsynchronized, one the user built with synchronized=True (Keras on
+    TensorFlow takes it) as it is, and on JAX and torch, whose Keras refuses synchronized=True, every
+    layer unsynchronized. The layers stay synchronized for training."""
+    from tarantella.model import batch_normalization
+
+    inputs = keras.Input((4,))
+    hidden = keras.layers.BatchNormalization(name="switched")(inputs)
+    plain = keras.Model(inputs, keras.layers.BatchNormalization(synchronized=True, name="users")(hidden))
+    batch_normalization.synchronize(plain)
+    model = tnt.Model(plain)
+    users_model = {"switched": False, "users": True}
+    assert synchronized_flags(model.get_config()) == users_model
+    assert synchronized_flags(json.loads(model.to_json())["config"]) == users_model
+    model.save(tmp_path / "model.keras")
+    tnt.models.save_model(plain, tmp_path / "plain.keras")
+    for saved in ("model.keras", "plain.keras"):
+        assert synchronized_flags(keras.models.load_model(tmp_path / saved).get_config()) == users_model, saved
+    assert {layer.name: layer.synchronized for layer in tnt.models.clone_model(model).layers[1:]} == users_model
+    assert [layer.synchronized for layer in plain.layers[1:]] == [True, True]
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    assert synchronized_flags(model.get_config()) == {"switched": False, "users": False}
+    assert [layer.synchronized for layer in plain.layers[1:]] == [True, True]

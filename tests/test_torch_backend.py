@@ -5,7 +5,9 @@ tests/workers/torch_cases.py (DataLoader and NumPy inputs, masked and non-mean l
 train_on_batch, saving and loading, ModelCheckpoint and EarlyStopping) with KERAS_BACKEND=torch, against
 the same workers run serially on torch, at test_equivalence.py's tolerances: even, uneven
 (global batch 71) and empty micro-batches (batch 2), a tuple input, LeNet-5, a 1 MiB gradient
-(the ring allreduce), synchronized BatchNormalization (tests/workers/synchronized_batch_norm.py).
+(the ring allreduce), synchronized BatchNormalization (tests/workers/synchronized_batch_norm.py; a
+model saved with it, loaded by Keras and by tnt.models.load_model and trained on: 2 ranks, and 1 and
+3 with TNT_BACKEND_TESTS=1).
 Also: the features the torch step lacks are refused on every rank, the LeNet-5 example runs
 unchanged on torch, and so does tests/test_zoo.py's torch slice of the conformance zoo (real model
 families against serial Keras-on-torch; TNT_ZOO_CASES=all TNT_ZOO_BACKEND=torch python -m pytest
@@ -25,7 +27,9 @@ import re
 
 import pytest
 
-from conftest import WORKERS, assert_ok, assert_ranks_like_serial, launch, load_npz, refusals_by_rank, run_python
+from conftest import (WORKERS, assert_ok, assert_ranks_like_serial,
+                      assert_saved_synchronized_model_trains_on_like_serial, launch, load_npz, refusals_by_rank,
+                      run_python)
 from test_equivalence import UNEVEN_SPLIT_CASES
 from test_example import EXAMPLE, SHORT_RUN, accuracy_in, mnist_installed
 from workers.train_cases import CASES as TRAIN_CASE_NAMES
@@ -82,6 +86,14 @@ def test_ranks_train_like_serial_keras_on_torch(ranks, serial_dir, scratch):
                          ",".join(cases[ranks]), env=TORCH))
         assert not list(out.glob(".tnt-partial*")), "a save left a partial file"
         assert_ranks_like_serial(serial_dir, out, cases[ranks], ranks, "torch")
+
+
+@pytest.mark.parametrize("ranks", [2, pytest.param(1, marks=needs_all), pytest.param(3, marks=needs_all)])
+def test_a_model_saved_with_synchronized_batch_normalization_loads_and_trains_on_like_serial_keras_on_torch(
+        ranks, tmp_path):
+    """Keras-on-torch refuses a layer saved with synchronized=True: tnt.Model.save writes the layers as
+    the user built them, and tnt.models.load_model synchronizes them again when asked to."""
+    assert_saved_synchronized_model_trains_on_like_serial("torch", ranks, tmp_path)
 
 
 @pytest.mark.parametrize("feature, named", [

@@ -7,6 +7,8 @@ import logging
 
 import keras
 import tensorflow as tf
+# How Keras' trainers build a model from symbolic inputs; tests/test_keras_internals.py checks it.
+from keras.src import backend as keras_backend
 
 from tarantella.data import global_batches, keras_batches, pipelines
 from tarantella.model import checks
@@ -108,16 +110,23 @@ class Inputs:
                 "same number of batches (e.g. shard, then take()), or pass the steps argument.")
 
     def _draw_build_pass(self, dataset):
-        """Keras-on-JAX's and on-torch's fit build an unbuilt model, or its compiled loss and metrics, from the first
-        batch of one extra pass over the dataset, and that pass draws a shuffle order of its own. So
-        the pass is drawn here and the wrapped model built from the dataset's spec: the epochs then
-        see serial Keras' orders. The pass reads its first batch, as Keras' does: some pipelines draw
-        their seeds only then (a shuffled `list_files` under a parallel interleave), and an iterator
-        that reads nothing would leave every later epoch one order behind serial Keras'."""
+        """Keras-on-JAX's and on-torch's fit and evaluate build an unbuilt model, or its compiled loss
+        and metrics, from the first batch of one extra pass over the dataset, and that pass draws a
+        shuffle order of its own. So the pass is drawn here and the wrapped model built from the
+        dataset's spec, its unknown dimensions those of that batch: the epochs then see serial Keras'
+        orders. The pass reads its first batch, as Keras' does: some pipelines draw their seeds only
+        then (a shuffled `list_files` under a parallel interleave), and an iterator that reads
+        nothing would leave every later epoch one order behind serial Keras'."""
         if not self._step.keras_builds_from_an_extra_pass or not keras_batches.needs_build(self._keras_model):
             return
-        next(iter(dataset), None)
-        self._keras_model._symbolic_build(data_batch=dataset.element_spec)
+        first_batch = next(iter(dataset), None)
+        self._keras_model._symbolic_build(data_batch=_spec_with_dimensions_of(dataset.element_spec, first_batch))
+
+    def _spec_to_build_from(self, dataset):
+        """The dataset's spec, with the dimensions it leaves unknown read from its first batch."""
+        if not _has_unknown_dimensions(dataset.element_spec):
+            return dataset.element_spec
+        return _spec_with_dimensions_of(dataset.element_spec, next(iter(dataset), None))
 
     def _prepare(self, element_spec, step):
         """Builds every variable the coming `step` ("train", "test" or "predict") uses, then gives
@@ -140,7 +149,9 @@ class Inputs:
         elif not all(layer.built for layer in wrapped._flatten_layers()):
             x, _, _ = keras.utils.unpack_x_y_sample_weight(element_spec)
             symbolic = tf.nest.map_structure(lambda s: keras.KerasTensor(s.shape, s.dtype.name), x)
-            wrapped.compute_output_spec(symbolic)
+            # Called as Keras' trainers build (`_symbolic_build`): the model's compute_output_spec would
+            # not build a Sequential model without an Input.
+            keras_backend.compute_output_spec(wrapped, symbolic, training=False)
         self.built = True
         if self._weights_synced:
             return
@@ -231,6 +242,30 @@ def _left_unbuilt(optimizers):
     finally:
         for optimizer in unbuilt:
             optimizer.built = False
+
+
+def _has_unknown_dimensions(element_spec):
+    """Whether a dataset's spec leaves a dimension other than the batch's unknown (the windows of
+    `timeseries_dataset_from_array`, padded sequences), or a tensor's rank."""
+    return any(spec.shape.rank is None or None in spec.shape[1:]
+               for spec in tf.nest.flatten(element_spec) if isinstance(spec, tf.TensorSpec))
+
+
+def _spec_with_dimensions_of(element_spec, batch):
+    """`element_spec` with the dimensions it leaves unknown, but the batch's, taken from `batch`,
+    one of its elements (the spec as it is where that is None). Keras' trainers build from a batch
+    they read, not from a spec: where a dimension is unknown, Keras-on-torch and on-JAX would fill
+    in sizes of their own (83), which a model built for other sizes refuses."""
+    if batch is None:
+        return element_spec
+
+    def known(spec, tensor):
+        if not isinstance(spec, tf.TensorSpec) or not _has_unknown_dimensions(spec):
+            return spec
+        batch_dimension = spec.shape[0] if spec.shape.rank else None
+        return tf.TensorSpec([batch_dimension, *tensor.shape[1:]], spec.dtype, spec.name)
+
+    return tf.nest.map_structure(known, element_spec, batch)
 
 
 def unknown_length_spec(dataset):

@@ -207,6 +207,7 @@ class Loops:
             if not tnt_distribute_dataset:
                 self._check_same_step_counts(global_batches.count_batches(x), steps, "evaluation")
             if self._distributed:
+                self._draw_build_pass(x)
                 self._prepare(x.element_spec, "test")
                 self._step.expect_unknown_length("test", unknown_length)
         else:
@@ -234,10 +235,10 @@ class Loops:
             np.ndarray: the predictions of all samples (a list or dict of arrays for a model with
             several outputs), the same on every rank.
         """
+        unbuilt = not all(layer.built for layer in self._keras_model._flatten_layers())
         if keras_batches.is_batched_by_keras(x):
             batch_size = keras_batches.keras_batch_size("predict", x, batch_size, tnt_micro_batch_size, self._comm.size)
             if self._distributed:
-                unbuilt = not all(layer.built for layer in self._keras_model._flatten_layers())
                 self._prepare(keras_batches.first_batch_spec(x, None, None) if unbuilt else None, "predict")
             self._sources.record("predict", True, self._distributed, self)
         elif isinstance(x, tf.data.Dataset):
@@ -245,7 +246,7 @@ class Loops:
             x = self._split("predict", global_batches.global_batches("predict", x, tnt_micro_batch_size, self._comm.size),
                             distribute=True)
             if self._distributed:
-                self._prepare(x.element_spec, "predict")
+                self._prepare(self._spec_to_build_from(x) if unbuilt else None, "predict")
             self._sources.record("predict", False, self._distributed, self)
         else:
             keras_batches.refuse_unknown_input("predict", x)

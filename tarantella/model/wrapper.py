@@ -25,7 +25,7 @@ import tensorflow as tf
 from tarantella import backends, saving
 from tarantella import callbacks as callbacks_module
 from tarantella.common import config
-from tarantella.model import checks
+from tarantella.model import batch_normalization, checks
 from tarantella.model.inputs import BatchSources, Inputs
 from tarantella.model.loops import Loops
 from tarantella.runtime import events, world
@@ -42,7 +42,7 @@ _READ_FROM_WRAPPED = frozenset({
     "metrics", "metrics_names", "losses", "loss", "compiled_loss", "compiled_metrics", "input_spec",
     "compute_output_shape", "compute_output_spec", "compute_mask", "count_params", "get_build_config",
     "layers", "input", "output", "inputs", "outputs", "input_shape", "output_shape", "get_layer",
-    "to_json", "get_compile_config", "optimizer", "compute_loss", "compute_metrics",
+    "get_compile_config", "optimizer", "compute_loss", "compute_metrics",
     "get_metrics_result", "quantize", "dtype_policy", "dtype", "compute_dtype", "variable_dtype",
     "input_dtype", "supports_masking", "trainable_weights", "non_trainable_weights", "trainable_variables",
     "non_trainable_variables", "weights", "variables", "get_weights", "call_signature_parameters",
@@ -70,7 +70,8 @@ class Model(Loops, Inputs, keras.Model):
         synchronized_batch_normalization: True switches every BatchNormalization layer of the
             model to Keras' `synchronized=True` when there are 2 or more ranks: each normalizes
             with the statistics of the whole global batch, so training equals serial training
-            on any number of ranks. (On one rank the layers stay as they are.)
+            on any number of ranks. (On one rank the layers stay as they are.) Saved files and
+            configs hold the layers as the model's author built them.
 
     Raises:
         TypeError: `model` is not a `keras.Model`, or is a tnt.Model already, or
@@ -101,9 +102,7 @@ class Model(Loops, Inputs, keras.Model):
         self._distributed = self._comm.size > 1
         if synchronized_batch_normalization and self._distributed:
             # On one rank the micro-batch is the global batch: Keras' own moments are the serial ones.
-            for layer in model._flatten_layers():
-                if isinstance(layer, keras.layers.BatchNormalization):
-                    layer.synchronized = True
+            batch_normalization.synchronize(model)
         self._weights_synced = False
         self._warned_batch_normalization = False
         self._local_epoch_logs = None
@@ -149,9 +148,23 @@ class Model(Loops, Inputs, keras.Model):
         """The wrapped model's config, from which `from_config` makes a new tnt.Model.
 
         Returns:
-            dict: the wrapped Keras model's `get_config()`.
+            dict: the wrapped Keras model's `get_config()`, with BatchNormalization's
+            `synchronized` as serial Keras has it (see `save`).
         """
-        return self._keras_model.get_config()
+        with batch_normalization.configs_as_serial_keras_writes(self._keras_model):
+            return self._keras_model.get_config()
+
+    def to_json(self, **kwargs: Any) -> str:
+        """The wrapped model's `to_json()`, from the config `get_config` returns.
+
+        Args:
+            **kwargs: passed on to `json.dumps`.
+
+        Returns:
+            str: the wrapped Keras model's JSON.
+        """
+        with batch_normalization.configs_as_serial_keras_writes(self._keras_model):
+            return self._keras_model.to_json(**kwargs)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: dict[str, Any] | None = None) -> Model:
@@ -209,6 +222,10 @@ class Model(Loops, Inputs, keras.Model):
         """Saves the wrapped Keras model, with the optimizer state once compiled; the master writes,
         and every rank returns once the file is complete. Call it on every rank.
 
+        The file is the one serial Keras writes: BatchNormalization layers that
+        `synchronized_batch_normalization=True` switched are saved unsynchronized, and on JAX and
+        PyTorch, where Keras refuses `synchronized=True`, every layer is.
+
         Args:
             filepath: where to write the `.keras` file.
             overwrite: False refuses to replace an existing file.
@@ -220,8 +237,9 @@ class Model(Loops, Inputs, keras.Model):
             ValueError: `filepath` is a remote URL.
             FileExistsError: `overwrite=False` and the file exists.
         """
-        saving.write_whole(filepath, lambda partial: self._keras_model.save(partial, **kwargs),
-                           overwrite, tnt_save_all_devices)
+        saving.write_whole(
+            filepath, lambda partial: batch_normalization.save_as_serial_keras(self._keras_model, partial, **kwargs),
+            overwrite, tnt_save_all_devices)
 
     def save_weights(self, filepath: str | os.PathLike, overwrite: bool = True, tnt_save_all_devices: bool = False,
                      max_shard_size: int | float | None = None) -> None:
