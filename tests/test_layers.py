@@ -128,6 +128,13 @@ def test_the_checks_find_an_upward_import_and_a_cycle():
     assert not against_the_order("tarantella.launcher.restarts", "tarantella.common.backup_files")
 
 
+def test_only_the_backends_read_which_keras_backend_runs():
+    # What differs per backend is a fact or a capability of its Step; backends.step_class() picks it.
+    readers = [str(path.relative_to(REPO)) for path in PACKAGE.rglob("*.py")
+               if "backend()" in path.read_text() and PACKAGE / "backends" not in path.parents]
+    assert readers == []
+
+
 def test_every_module_opens_with_what_it_holds():
     for name, path in package_modules().items():
         tree = ast.parse(path.read_text())

@@ -45,6 +45,8 @@ class Step(abc.ABC):
     keras_steps_take_arrays = False
     # Keras shuffles arrays with an op whose unseeded draws differ from process to process.
     keras_array_shuffle_differs_per_process = False
+    # Keras builds (and loads) a BatchNormalization layer with synchronized=True.
+    keras_accepts_synchronized_batch_normalization = False
 
     @classmethod
     def keras_iterators_per_epoch(cls, batches_known):

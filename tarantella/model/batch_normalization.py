@@ -5,6 +5,8 @@ import contextlib
 
 import keras
 
+from tarantella import backends
+
 # Marks a layer that tarantella switched to `synchronized`, as against one the user switched.
 _SWITCHED_BY_TARANTELLA = "_tarantella_synchronized"
 
@@ -26,9 +28,9 @@ def configs_as_serial_keras_writes(model):
     with `synchronized=True` on any backend but TensorFlow, whatever set the flag (on JAX and torch
     a user sets the attribute for tarantella). The steps read the flag only while they run or are
     traced, never while a model is saved."""
-    on_tensorflow = keras.backend.backend() == "tensorflow"
+    keeps_the_users_flag = backends.step_class().keras_accepts_synchronized_batch_normalization
     cleared = [layer for layer in _batch_normalization_layers(model) if layer.synchronized and
-               (not on_tensorflow or getattr(layer, _SWITCHED_BY_TARANTELLA, False))]
+               (not keeps_the_users_flag or getattr(layer, _SWITCHED_BY_TARANTELLA, False))]
     for layer in cleared:
         layer.synchronized = False
     try:

@@ -58,6 +58,7 @@ class TensorFlowStep(Step):
     collectives_inside_xla = False
     # Without a global seed, Keras' tf.random.shuffle of arrays draws a new order in each process.
     keras_array_shuffle_differs_per_process = True
+    keras_accepts_synchronized_batch_normalization = True
 
     @classmethod
     def keras_iterators_per_epoch(cls, batches_known):
