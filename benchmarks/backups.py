@@ -10,10 +10,13 @@ without backups comes from runs made minutes apart:
 - the same, written in the background (`write_in_background=True`).
 Each run trains `--epochs` epochs of `--samples / --batch-size` steps on synthetic 32x32 images.
 The table gives, per variant, the files written, their size, the seconds the step waits for
-one (a backup: the master copies the state to host memory; a checkpoint in the background: Keras
-writes it into the temporary folder; in place: the whole write), the seconds a thread then takes
-to write it while training goes on, the training time per step from Keras' epoch lines, and,
-per round, the step time over that round's run without backups.
+one (a backup: the master snapshots the state in host memory; a checkpoint in the background:
+the same for the host copy of the model that a thread writes from, built at the first checkpoint,
+or for a subclassed model Keras' write into the temporary folder; in place: the whole write), the
+seconds a thread then takes to write it while training goes on, the training time per step from
+Keras' epoch lines, and, per round, the step time over that round's run without backups. Below
+it: how long the step waited for the file before (one is in flight at a time), and how long the
+host copy took to build.
 
     python benchmarks/backups.py                    # 2 epochs of 100 steps, 2 rounds
     python benchmarks/backups.py --samples 320 --epochs 1 --every-steps 5 --rounds 1   # a quick check
@@ -31,11 +34,12 @@ import time
 
 REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
 VARIANTS = ("none", "backups", "checkpoint", "checkpoint-background")
-_BACKUP_LINE = re.compile(r"backup of fit #\d+ at epoch \d+, step \d+: ([\d.]+) MB copied in ([\d.]+) s, written in "
-                          r"([\d.]+) s")
+_BACKUP_LINE = re.compile(r"backup of fit #\d+ at epoch \d+, step \d+: ([\d.]+) MB snapshot in ([\d.]+) s after "
+                          r"waiting ([\d.]+) s for the previous backup, written in ([\d.]+) s")
 _IN_PLACE_LINE = re.compile(r"checkpoint\.weights\.h5 written in place in ([\d.]+) s")
-_STAGED_LINE = re.compile(r"checkpoint\.weights\.h5 staged in ([\d.]+) s")
-_COPIED_LINE = re.compile(r"checkpoint\.weights\.h5 copied into place in ([\d.]+) s")
+_STEP_WAITED_LINE = re.compile(r"checkpoint\.weights\.h5: the step waited ([\d.]+) s")
+_HOST_COPY_LINE = re.compile(r"host copy of \S+ for checkpoints built in ([\d.]+) s")
+_THREAD_LINE = re.compile(r"checkpoint\.weights\.h5: written into place by a thread in ([\d.]+) s")
 # Keras' epoch line, verbose=2: "100/100 - 52s - 517ms/step - loss: ..." (or "1s/step")
 _EPOCH_LINE = re.compile(r"^\d+/\d+ - (\d+)s(?: -)? (\d+)(ms|s)/step", re.M)
 
@@ -68,13 +72,15 @@ def run(variant, options, folder):
     log = process.stderr
     if variant == "backups":
         backups = [tuple(map(float, numbers)) for numbers in _BACKUP_LINE.findall(log)]
-        files = {"megabytes": backups[0][0], "waits": [b[1] for b in backups], "writes": [b[2] for b in backups]}
+        files = {"megabytes": backups[0][0], "waits": [b[1] for b in backups], "queued": [b[2] for b in backups],
+                 "writes": [b[3] for b in backups]}
     elif variant.startswith("checkpoint"):
         in_background = variant == "checkpoint-background"
-        waits = [float(s) for s in (_STAGED_LINE if in_background else _IN_PLACE_LINE).findall(log)]
-        writes = [float(s) for s in _COPIED_LINE.findall(log)] if in_background else []
+        waits = [float(s) for s in (_STEP_WAITED_LINE if in_background else _IN_PLACE_LINE).findall(log)]
+        writes = [float(s) for s in _THREAD_LINE.findall(log)] if in_background else []
         size = (folder / "output" / "checkpoint.weights.h5").stat().st_size / 1e6
-        files = {"megabytes": size, "waits": waits, "writes": writes}
+        files = {"megabytes": size, "waits": waits, "writes": writes,
+                 "host_copy": [float(s) for s in _HOST_COPY_LINE.findall(log)]}
     else:
         files = None
     step_ms = [int(step) * (1 if unit == "ms" else 1000) for _, step, unit in _EPOCH_LINE.findall(process.stdout)]
@@ -127,6 +133,16 @@ def main():
         else:
             cells = ("-", "-", "-", "-")
         print(f"| {names(options)[variant]} | " + " | ".join(cells) + f" | {step} | {ratios} |")
+    for variant, runs in results.items():
+        files = [run["files"] for run in runs if run["files"]]
+        queued = [s for f in files for s in f.get("queued", [])]
+        built = [s for f in files for s in f.get("host_copy", [])]
+        if queued:
+            print(f"{names(options)[variant]}: the step waited for the backup before at most {max(queued):.3f} s "
+                  f"(median {statistics.median(queued):.3f} s)")
+        if built:
+            print(f"{names(options)[variant]}: the host copy was built in {seconds(built)} s (median, max; "
+                  "included in its first file's wait)")
 
 
 if __name__ == "__main__":

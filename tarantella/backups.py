@@ -3,9 +3,9 @@
 With TNT_BACKUP_DIR set (the command sets it) and no BackupAndRestore of the user's, every
 `fit` call gets an `AutomaticBackups` callback. The master backs up the training state (the
 model's variables, random seed states included, every optimizer's and the metrics') after
-every epoch, after every TNT_BACKUP_EVERY_STEPS steps, and when `fit` ends: it copies the state
-to host memory at the step boundary and writes it from a thread of its own, one backup in flight
-at a time; the other ranks do not wait for it. Each `fit` call has its own file, numbered in call order, and the files
+every epoch, after every TNT_BACKUP_EVERY_STEPS steps, and when `fit` ends: it snapshots the state
+in host memory at the step boundary (`Step.snapshot`) and writes it from a thread of its own, one
+backup in flight at a time; the other ranks do not wait for it. Each `fit` call has its own file, numbered in call order, and the files
 stay until the job ends well: a program restarted from its top finds a finished call's
 final state and skips its training, and resumes the unfinished one where the backup left it.
 
@@ -23,15 +23,14 @@ those of the uninterrupted run.
 
 import logging
 import signal
-import threading
 import time
 
 import keras
 import numpy as np
 
-from tarantella import backends
+from tarantella import backends, saving
 from tarantella.common import backup_files, config, rank_entry
-from tarantella.model import loops
+from tarantella.model import host_copy, loops
 from tarantella.runtime import world
 
 logger = logging.getLogger("tarantella")
@@ -73,6 +72,7 @@ class AutomaticBackups(keras.callbacks.Callback):
         self._replayed = False  # the last step was replayed, not trained
         self._skipped = False  # the call had completed before a restart: nothing trains
         self._writer = None  # the master's thread writing the backup in flight
+        self._host_arrays = None  # host arrays of the last backup, reused by the next
         self._write_error = None
 
     # -- the state -----------------------------------------------------------------------
@@ -90,38 +90,40 @@ class AutomaticBackups(keras.callbacks.Callback):
         return training, metrics
 
     def _backup(self, epoch, step, completed=False, wait=False):
-        """The master copies the state to host memory (the step waits for this only) and writes it
-        from a thread of its own; one backup at a time is in flight, a later one waits for the
-        earlier. With `wait`, returns once it is written."""
+        """The master snapshots the state in host memory (the step waits for this only) and writes
+        it from a thread of its own; one backup at a time is in flight, and a later one waits for
+        the earlier, whose host arrays it reuses. With `wait`, returns once it is written."""
         if self._comm.rank != world.MASTER_RANK:
             return
         started = time.monotonic()
+        self.wait_for_writer()
+        copying = time.monotonic()
         training, metrics = self._variables()
-        snapshot = backends.step_class().snapshot
-        arrays = [snapshot(v) for v in training + metrics]
-        copied_s = time.monotonic() - started
+        snapshot = backends.step_class().snapshot(training + metrics, self._host_arrays)
+        # Host arrays are reused by the next backup; a framework's held reads are let go once written.
+        self._host_arrays = snapshot if all(isinstance(value, np.ndarray) for value in snapshot) else None
         header = {"fit": self._fit_number, "epoch": epoch, "step": step, "completed": completed,
-                  "metric_variables": len(metrics), "variables": [_describe(v) for v in training + metrics],
+                  "metric_variables": len(metrics), "variables": [host_copy.describe(v) for v in training + metrics],
                   "logs": self._latest_logs, "history": {str(e): logs for e, logs in self._epoch_logs.items()},
                   "ranks": self._comm.size, "written_at": time.time()}
-        self.wait_for_writer()
+        waits = (copying - started, time.monotonic() - copying)
         self._steps_since_backup = 0
-        self._writer = threading.Thread(target=self._write, args=(header, arrays, epoch, step, copied_s),
-                                        name="tarantella-backup")
-        self._writer.start()
+        self._writer = saving.start_writer_thread(self._write, (header, snapshot, epoch, step, waits),
+                                                  "tarantella-backup")
         if wait:
             self.wait_for_writer()
 
-    def _write(self, header, arrays, epoch, step, copied_s):
+    def _write(self, header, snapshot, epoch, step, waits):
         started = time.monotonic()
         try:
+            arrays = [np.asarray(value) for value in snapshot]
             backup_files.write(self._path, header, arrays)
         except OSError as error:
             self._write_error = error
             return
-        logger.debug("backup of fit #%d at epoch %d, step %d: %.1f MB copied in %.3f s, written in %.3f s",
-                     self._fit_number, epoch + 1, step, sum(a.nbytes for a in arrays) / 1e6, copied_s,
-                     time.monotonic() - started)
+        logger.debug("backup of fit #%d at epoch %d, step %d: %.1f MB snapshot in %.3f s after waiting %.3f s for "
+                     "the previous backup, written in %.3f s", self._fit_number, epoch + 1, step,
+                     sum(a.nbytes for a in arrays) / 1e6, waits[1], waits[0], time.monotonic() - started)
 
     def wait_for_writer(self):
         """Returns once the backup in flight is written; raises if writing it failed."""
@@ -143,12 +145,13 @@ class AutomaticBackups(keras.callbacks.Callback):
         if optimizer is not None and not optimizer.built:
             optimizer.build(self.model.trainable_variables)
         training, metrics = self._variables()
-        here = [_describe(v) for v in training + metrics]
+        here = [host_copy.describe(v) for v in training + metrics]
         if here != header["variables"] or len(metrics) != header["metric_variables"]:
+            difference = host_copy.first_difference(header["variables"], here, "in the backup", "here")
             raise ValueError(
                 f"The backup {self._path} was not made by this fit call (#{self._fit_number} of the program): "
-                f"{_first_difference(header['variables'], here)}. A restarted program must build the same models "
-                "and call fit in the same order. To start afresh, remove the backup folder.")
+                f"{difference}. A restarted program must build the same models and call fit in the same order. "
+                "To start afresh, remove the backup folder.")
         for variable, array in zip(training, arrays):
             variable.assign(array)
         self._epoch_logs = {int(e): logs for e, logs in header["history"].items()}
@@ -251,17 +254,6 @@ class AutomaticBackups(keras.callbacks.Callback):
         history.history = {key: [self._epoch_logs[epoch].get(key) for epoch in earlier] + history.history.get(key, [])
                            for key in keys}
         history.epoch = earlier + list(history.epoch)
-
-
-def _describe(variable):
-    return [getattr(variable, "path", variable.name), str(np.dtype(variable.dtype)), list(variable.shape)]
-
-
-def _first_difference(saved, here):
-    for index, (before, now) in enumerate(zip(saved, here)):
-        if before != now:
-            return f"variable #{index} is {before} in the backup but {now} here"
-    return f"the backup holds {len(saved)} variables, this fit {len(here)}"
 
 
 def _scalars(logs):

@@ -12,7 +12,7 @@ from typing import Any
 import keras
 
 from tarantella import saving
-from tarantella.model import Model, batch_normalization
+from tarantella.model import Model, batch_normalization, host_copy
 
 __all__ = ["clone_model", "load_model", "model_from_config", "model_from_json", "save_model"]
 
@@ -39,7 +39,8 @@ def save_model(model: keras.Model, filepath: str | os.PathLike, overwrite: bool 
     if not isinstance(model, keras.Model):
         raise TypeError(f"save_model saves a keras.Model or tnt.Model; got {type(model).__name__}.")
     saving.write_whole(filepath, lambda partial: batch_normalization.save_as_serial_keras(model, partial, **kwargs),
-                       overwrite, tnt_save_all_devices)
+                       overwrite, tnt_save_all_devices,
+                       frozen_write=lambda: host_copy.frozen_write(model, lambda copy, path: copy.save(path, **kwargs)))
 
 
 def load_model(filepath: str | os.PathLike, custom_objects: dict[str, Any] | None = None, compile: bool = True,

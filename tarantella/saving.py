@@ -7,10 +7,11 @@ if a write fails every rank raises. Saved files are plain Keras files, so a seri
 reads them with `keras.models.load_model`.
 
 A master-only callback that writes in the background (ModelCheckpoint wrapped with
-`write_in_background=True`) has Keras write the file into the master's temporary folder (TMPDIR,
-node-local on clusters), which takes the step's time; a thread then copies it into place while
-training goes on. One such file is in flight at a time: the next waits for it, and fit's end
-waits for the last.
+`write_in_background=True`) leaves the step as soon as the model's state is snapshot: a thread
+has Keras write the file from a host copy of the model (model/host_copy.py). A model without a
+host copy (a subclassed one) is written by Keras into the master's temporary folder (TMPDIR,
+node-local on clusters) on the step, and the thread copies that into place. One such file is in
+flight at a time: the next waits for it, and fit's end waits for the last.
 """
 
 import contextlib
@@ -29,7 +30,7 @@ from tarantella.runtime import events, world
 logger = logging.getLogger("tarantella")
 
 _master_alone = False  # True while a master-only callback runs: the other ranks are not saving
-_in_background = False  # True while such a callback's saves may be copied into place by a thread
+_in_background = False  # True while such a callback's saves may be written into place by a thread
 
 
 @contextlib.contextmanager
@@ -45,26 +46,36 @@ def master_alone(in_background=False):
         _master_alone, _in_background = previous
 
 
-class _BackgroundCopy:
-    """The one file in flight: staged whole in the temporary folder, copied into place by a thread."""
+def start_writer_thread(target, args, name):
+    """Starts a thread that writes while training goes on, at the lowest CPU priority: it takes the
+    time the ranks leave a core idle instead of slowing the step where every core computes."""
+    def at_lowest_priority():
+        with contextlib.suppress(AttributeError, OSError):  # Linux gives a thread a nice value of its own
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        target(*args)
+    thread = threading.Thread(target=at_lowest_priority, name=name)
+    thread.start()
+    return thread
 
-    def __init__(self, staged, path):
+
+class _BackgroundWrite:
+    """The one file in flight, which a thread writes into place (then calls `done`)."""
+
+    def __init__(self, path, write, done=lambda: None):
         self.path = path
         self.error = None
-        self._thread = threading.Thread(target=self._copy_into_place, args=(staged,),
-                                        name="tarantella-checkpoint")
-        self._thread.start()
+        self._thread = start_writer_thread(self._write_into_place, (write, done), "tarantella-checkpoint")
 
-    def _copy_into_place(self, staged):
+    def _write_into_place(self, write, done):
         started = time.monotonic()
         try:
-            _write_then_rename(self.path, lambda partial: shutil.copyfile(staged, partial))
-            logger.debug("checkpoint %s copied into place in %.3f s", self.path, time.monotonic() - started)
+            _write_then_rename(self.path, write)
+            logger.debug("checkpoint %s: written into place by a thread in %.3f s", self.path,
+                         time.monotonic() - started)
         except Exception as error:  # raised by wait_for_background_write
             self.error = error
         finally:
-            with contextlib.suppress(OSError):
-                os.remove(staged)
+            done()
 
     def join(self):
         self._thread.join()
@@ -74,25 +85,33 @@ _in_flight = None
 
 
 def wait_for_background_write():
-    """Returns once the file a thread copies into place is there; raises if copying it failed."""
+    """Returns once the file a thread writes into place is there; raises if writing it failed."""
     global _in_flight
-    copy, _in_flight = _in_flight, None
-    if copy is None:
+    write, _in_flight = _in_flight, None
+    if write is None:
         return
-    copy.join()
-    if copy.error is not None:
-        raise OSError(f"Writing the checkpoint {copy.path} in the background failed: {copy.error}. The file "
+    write.join()
+    if write.error is not None:
+        raise OSError(f"Writing the checkpoint {write.path} in the background failed: {write.error}. The file "
                       "there, if any, is the previous one, whole. Give the checkpoint a folder with room that "
-                      "the master can write.") from copy.error
+                      "the master can write.") from write.error
 
 
-def _write_in_background(path, write):
-    """Keras writes the file into the temporary folder now; a thread copies it into place."""
+def _write_in_background(path, write, frozen_write):
+    """Snapshots the model for a thread that writes the file into place; without a host copy of the
+    model, Keras writes it into the temporary folder now and the thread copies it."""
     global _in_flight
-    folder, name = tempfile.gettempdir(), os.path.basename(path)
+    started = time.monotonic()
+    name = os.path.basename(path)
+    with events.span(f"snapshot {name}"):
+        write_later = frozen_write() if frozen_write is not None else None
+    if write_later is not None:
+        logger.debug("checkpoint %s: the step waited %.3f s", path, time.monotonic() - started)
+        _in_flight = _BackgroundWrite(path, write_later)
+        return
+    folder = tempfile.gettempdir()
     backup_files.remove_abandoned_partial_files(folder, name)
     staged = _partial_path(folder, name)
-    started = time.monotonic()
     try:
         with events.span(f"stage {name}"):
             write(staged)
@@ -107,12 +126,19 @@ def _write_in_background(path, write):
         with contextlib.suppress(OSError):
             os.remove(staged)
         raise
-    logger.debug("checkpoint %s staged in %.3f s (the step waited for this)", path, time.monotonic() - started)
-    _in_flight = _BackgroundCopy(staged, path)
+    logger.debug("checkpoint %s: the step waited %.3f s", path, time.monotonic() - started)
+
+    def remove_staged():
+        with contextlib.suppress(OSError):
+            os.remove(staged)
+    _in_flight = _BackgroundWrite(path, lambda partial: shutil.copyfile(staged, partial), done=remove_staged)
 
 
-def write_whole(filepath, write, overwrite=True, save_all_devices=False):
-    """Calls `write(partial_path)` on the writing ranks and renames the result to `filepath`."""
+def write_whole(filepath, write, overwrite=True, save_all_devices=False, frozen_write=None):
+    """Calls `write(partial_path)` on the writing ranks and renames the result to `filepath`.
+
+    `frozen_write`, for a save in the background: returns a function like `write` that writes the
+    model as it is at this call from another thread while training goes on, or None."""
     comm = world.init()
     path = os.fspath(filepath)
     if "://" in path:
@@ -134,7 +160,7 @@ def write_whole(filepath, write, overwrite=True, save_all_devices=False):
             raise FileExistsError(f"{path} exists and overwrite=False. Pass overwrite=True to replace it, "
                                   "or choose another path.")
     if background:
-        _write_in_background(os.path.abspath(path), write)
+        _write_in_background(os.path.abspath(path), write, frozen_write)
         return
     error = None
     if writes_here:

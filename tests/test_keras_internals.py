@@ -274,16 +274,21 @@ def test_tensorflow_tells_whether_a_global_seed_is_set():
         tf.random.set_seed(None)
 
 
-def test_a_tensorflow_variable_read_is_not_changed_by_later_updates():
-    """TensorFlow's step snapshots variables for a backup by reading them, without copying: a later
-    assignment or optimizer update must write into a new buffer, not into the one that was read."""
+def test_a_held_tensorflow_read_is_not_changed_by_later_updates():
+    """TensorFlow's step snapshots variables for a backup by holding a read of each, without
+    copying: a later assignment or optimizer update must write into a new buffer, not into the
+    one that is held and that the backup's thread reads in place."""
     variable = keras.Variable(np.arange(6, dtype="float32").reshape(2, 3))
     optimizer = keras.optimizers.SGD(0.5, momentum=0.9)
     optimizer.build([variable])
-    read = TensorFlowStep.snapshot(variable)
-    before = read.copy()
+    held, = TensorFlowStep.snapshot([variable])
+    in_place = np.asarray(held)
+    before = in_place.copy()
+    assert np.shares_memory(in_place, np.asarray(held))  # NumPy reads the held tensor in place
     variable.assign_add(np.ones((2, 3), "float32"))
     optimizer.apply([tf.ones((2, 3))], [variable])
     tf.function(lambda: optimizer.apply([tf.ones((2, 3))], [variable]))()  # as in the traced step
-    np.testing.assert_array_equal(read, before)
+    variable.assign(np.zeros((2, 3), "float32"))
+    np.testing.assert_array_equal(in_place, before)
+    np.testing.assert_array_equal(np.asarray(held), before)
     assert not np.array_equal(variable.numpy(), before)

@@ -178,6 +178,19 @@ def test_a_background_save_returns_before_its_copy_and_appears_whole_after_it(tm
     assert results[0] == {"there_before_the_copy": False, "contents": "the whole file", "files": ["model.weights.h5"]}
 
 
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_a_background_save_holds_the_model_as_it_was_though_training_goes_on(tmp_path, backend):
+    results, _ = run("background_snapshot", tmp_path, ranks=1, env={"KERAS_BACKEND": backend})
+    result = results[0]
+    # The thread wrote the Functional model's file from its host copy; the subclassed one was
+    # written on the step. Either file holds the weights and Adam's state at the save.
+    assert result["written_by_a_thread"] == ["Functional"]
+    for kind in ("functional", "subclassed"):
+        assert result[kind]["variables"] == 4 + 1 + 1 + 2 * 4, kind  # weights, Adam's counter and rate, slots
+        assert result[kind]["difference_to_the_state_at_save"] == 0.0, kind
+        assert result[kind]["difference_to_the_weights_after"] > 1e-4, kind  # it trained on meanwhile
+
+
 def test_a_checkpoint_that_fails_in_the_background_stops_every_rank_naming_it(tmp_path, full_disk):
     process = launch(2, WORKER, "background_checkpoints", tmp_path, full_disk)
     assert process.returncode != 0

@@ -33,6 +33,7 @@ from conftest import (WORKERS, assert_ok, assert_ranks_like_serial,
 from test_equivalence import UNEVEN_SPLIT_CASES
 from test_example import EXAMPLE, SHORT_RUN, accuracy_in, mnist_installed
 from workers.train_cases import CASES as TRAIN_CASE_NAMES
+import test_keras_surface
 import test_zoo
 from test_zoo import zoo_runs  # noqa: F401 (a fixture: the zoo's runs, serial and on the ranks)
 
@@ -231,3 +232,8 @@ def test_keras_torch_backend_puts_new_tensors_on_the_device_tarantella_sets():
     process = run_python("-c", check, env=TORCH)
     assert_ok(process)
     assert "device meta meta" in process.stdout, process.stdout
+
+
+def test_a_background_save_holds_the_model_as_it_was_though_training_goes_on(tmp_path):
+    # test_keras_surface.py's check on torch, whose variables a step updates in place.
+    test_keras_surface.test_a_background_save_holds_the_model_as_it_was_though_training_goes_on(tmp_path, "torch")

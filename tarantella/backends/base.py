@@ -87,11 +87,24 @@ class Step(abc.ABC):
         return leaf
 
     @classmethod
-    def snapshot(cls, variable):
-        """A NumPy copy of `variable`'s value that later steps cannot change (the backups write it
-        while training goes on)."""
-        # A framework may reuse the buffer in the next step (JAX donates it, torch updates in place).
-        return np.array(variable.numpy(), copy=True, order="C")
+    def host_view(cls, variable):
+        """`variable`'s value as a NumPy array on the host, without a copy where the framework allows
+        it; valid until the next step changes the variable."""
+        return variable.numpy()
+
+    @classmethod
+    def snapshot(cls, variables, buffers=None):
+        """The values of `variables` as they are now, which later steps cannot change, for a thread
+        to read with `np.asarray` while training goes on. `buffers` is an earlier snapshot of the
+        same variables that nobody reads any more: its host arrays are reused (allocating and
+        faulting in the pages again would double the time the step waits)."""
+        # Copied: the next step may reuse the buffers (JAX donates them, torch updates in place).
+        views = [cls.host_view(variable) for variable in variables]
+        if buffers is None or [(b.shape, b.dtype) for b in buffers] != [(v.shape, v.dtype) for v in views]:
+            buffers = [np.empty(view.shape, view.dtype) for view in views]
+        for buffer, view in zip(buffers, views):
+            np.copyto(buffer, view)
+        return buffers
 
     @classmethod
     @abc.abstractmethod

@@ -25,7 +25,7 @@ import tensorflow as tf
 from tarantella import backends, saving
 from tarantella import callbacks as callbacks_module
 from tarantella.common import config
-from tarantella.model import batch_normalization, checks
+from tarantella.model import batch_normalization, checks, host_copy
 from tarantella.model.inputs import BatchSources, Inputs
 from tarantella.model.loops import Loops
 from tarantella.runtime import events, world
@@ -239,7 +239,8 @@ class Model(Loops, Inputs, keras.Model):
         """
         saving.write_whole(
             filepath, lambda partial: batch_normalization.save_as_serial_keras(self._keras_model, partial, **kwargs),
-            overwrite, tnt_save_all_devices)
+            overwrite, tnt_save_all_devices,
+            frozen_write=lambda: host_copy.frozen_write(self._keras_model, lambda copy, path: copy.save(path, **kwargs)))
 
     def save_weights(self, filepath: str | os.PathLike, overwrite: bool = True, tnt_save_all_devices: bool = False,
                      max_shard_size: int | float | None = None) -> None:
@@ -260,7 +261,8 @@ class Model(Loops, Inputs, keras.Model):
         if max_shard_size is not None:
             raise ValueError("tnt.Model.save_weights writes one file, which appears whole or not at all; "
                              "sharded saving (max_shard_size=) is not supported. Leave max_shard_size unset.")
-        saving.write_whole(filepath, self._keras_model.save_weights, overwrite, tnt_save_all_devices)
+        saving.write_whole(filepath, self._keras_model.save_weights, overwrite, tnt_save_all_devices,
+                           frozen_write=lambda: host_copy.frozen_write(self._keras_model, keras.Model.save_weights))
 
     def load_weights(self, filepath: str | os.PathLike, skip_mismatch: bool = False, **kwargs: Any) -> None:
         """Every rank reads the file (it must be visible to all); once compiled, the optimizer state too.

@@ -524,7 +524,7 @@ def background_checkpoints(out):
 
     serial = compiled(build(), learning_rate=0.01, optimizer="adam")
     model = compiled(tnt.Model(build()), learning_rate=0.01, optimizer="adam")
-    serial_folder = os.path.join(out, "serial")
+    serial_folder = os.path.join(out, f"serial{tnt.get_rank()}")  # each rank's own: writes to one file would mix
     os.makedirs(serial_folder, exist_ok=True)
     serial.fit(dataset(x, y, 32), epochs=epochs, verbose=0, callbacks=[checkpoint(serial_folder)])
     folder = sys.argv[3] if len(sys.argv) > 3 else own_folder(out)
@@ -560,11 +560,69 @@ def background_copy(out):
             "files": sorted(os.listdir(os.path.dirname(target)))}
 
 
+class Subclassed(keras.Model):
+    """A model of the user's own class: saved in the background, Keras writes it on the step."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.classes = keras.layers.Dense(CLASSES, activation="softmax")
+
+    def call(self, inputs):
+        return self.classes(self.hidden(inputs))
+
+
+def background_snapshot(out):
+    """A save made in the background holds the model as it was when saved, though the model trains
+    on before the save's thread writes: a Functional model is written by that thread (held up here
+    until training went on), a subclassed one by Keras on the step, then copied by the thread."""
+    import threading
+
+    from tarantella import saving
+
+    x, y = arrays()
+    release, writers = threading.Event(), []
+    save_weights = keras.Model.save_weights
+
+    def held_up_off_the_main_thread(model, path, *args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            writers.append(type(model).__name__)
+            release.wait(60)
+        return save_weights(model, path, *args, **kwargs)
+
+    keras.Model.save_weights = held_up_off_the_main_thread
+    results = {}
+    for kind, make in (("functional", build), ("subclassed", Subclassed)):
+        model = compiled(tnt.Model(make()), learning_rate=0.01, optimizer="adam")
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        state = lambda m: [np.array(v) for v in [*m.get_weights(), *m.optimizer.variables]]  # noqa: E731
+        at_save = state(model)
+        target = os.path.join(own_folder(out), f"{kind}.weights.h5")
+        release.clear()
+        with saving.master_alone(in_background=True):
+            model.save_weights(target)
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)  # while the thread may still write
+        release.set()
+        saving.wait_for_background_write()
+        check = compiled(make(), learning_rate=0.01, optimizer="adam")
+        check(x[:1])
+        check.optimizer.build(check.trainable_variables)
+        check.load_weights(target)
+        saved = state(check)
+        results[kind] = {
+            "difference_to_the_state_at_save": max(float(np.max(np.abs(a - b))) for a, b in zip(saved, at_save)),
+            "difference_to_the_weights_after": max(float(np.max(np.abs(a - b)))
+                                                   for a, b in zip(check.get_weights(), model.get_weights())),
+            "variables": len(saved)}
+    results["written_by_a_thread"] = writers
+    return results
+
+
 SCENARIOS = {function.__name__: function for function in (
     deciding_callbacks, terminate_on_nan, writing_callbacks, custom_callbacks, wrapper_errors,
     backup_and_restore, save_and_resume, configs_and_weights, failed_save, batch_options, manual_sharding,
     manual_sharding_uneven, batch_normalization_warning, shared_layers, background_checkpoints,
-    background_copy)}
+    background_copy, background_snapshot)}
 
 
 def main():

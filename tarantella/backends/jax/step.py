@@ -113,6 +113,10 @@ class JaxStep(Step):
         jax_devices.configure(share)
 
     @classmethod
+    def host_view(cls, variable):
+        return np.asarray(variable.value)  # in place for a CPU array (Keras' numpy() copies)
+
+    @classmethod
     def replayed_train_function(cls, model, train_function, replayer):
         # A pure function of the state and the iterator.
         def train_or_replay(state, iterator):

@@ -71,10 +71,15 @@ class TensorFlowStep(Step):
         devices.configure(share, threads, computes_steps=True)
 
     @classmethod
-    def snapshot(cls, variable):
-        # Reading a variable gives a value that no later update changes: TensorFlow writes an update
-        # of a buffer that someone still reads into a new buffer. So the read is the copy.
-        return variable.numpy()
+    def snapshot(cls, variables, buffers=None):
+        # On the host, a read that is held: TensorFlow writes an update of a buffer that someone
+        # still reads into a new buffer, so the held read is the snapshot, nothing is copied now,
+        # and NumPy reads it in place. On a GPU, held reads would double the state's device memory
+        # at the next update: copied to the host instead.
+        reads = [tf.identity(variable.value) for variable in variables]
+        if all("CPU" in read.device for read in reads):
+            return reads
+        return super().snapshot(variables, buffers)
 
     @classmethod
     def replayed_train_function(cls, model, train_function, replayer):

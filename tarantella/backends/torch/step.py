@@ -81,6 +81,13 @@ class TorchStep(Step):
         torch_devices.configure(share, threads)
 
     @classmethod
+    def host_view(cls, variable):
+        value = variable.value.detach()
+        if value.dtype == torch.bfloat16:
+            return variable.numpy()  # torch has no NumPy bfloat16; Keras converts
+        return value.cpu().numpy()  # in place for a CPU tensor
+
+    @classmethod
     def replayed_train_function(cls, model, train_function, replayer):
         # Keras-on-torch draws the step's batches before it calls the train function.
         def train_or_replay(batches):
