@@ -57,6 +57,6 @@ if __name__ == "__main__":
     try:
         FEATURES[sys.argv[1]]()
     except NotImplementedError as refusal:
-        print(f"rank {tnt.get_rank()} refused: {refusal}", flush=True)
+        print(f"rank {tnt.get_rank()} refused: {' '.join(str(refusal).split())}", flush=True)  # Keras may wrap it over lines
     else:
         sys.exit(f"rank {tnt.get_rank()}: {sys.argv[1]} was not refused")

@@ -196,7 +196,7 @@ def refuse(feature):
             model.fit(features, labels, batch_size=8, verbose=0,
                       callbacks=[tnt.keras.callbacks.Callback(keras.callbacks.Callback(), aggregate_logs=False)])
     except NotImplementedError as refusal:
-        print(f"rank {tnt.get_rank()} refused: {refusal}", flush=True)
+        print(f"rank {tnt.get_rank()} refused: {' '.join(str(refusal).split())}", flush=True)  # Keras may wrap it over lines
         sys.exit(3)
 
 
