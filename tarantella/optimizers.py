@@ -1,4 +1,4 @@
-"""Custom training loops: every rank applies the serial update of the global batch.
+"""Custom training loops: every rank applies the serial update of the global batch, on every backend.
 
 Each rank differentiates the loss of its micro-batch. For a loss averaged over the
 micro-batch ("mean", Keras' default), the serial gradient of the global batch B is
@@ -7,6 +7,10 @@ where m_r is rank r's number of samples. Each rank sends m_r * g_r together with
 the same fused allreduce, and divides the two sums: one collective round gives B and the
 serial gradient, also when micro-batches differ in size (an uneven last batch). For a loss
 summed over the micro-batch ("sum") the serial gradient is the plain sum of the g_r.
+
+Each backend's step does the arithmetic on its own arrays (`Step.sum_loop_gradients`): TensorFlow
+eagerly or inside a `tf.function`; JAX on its arrays, also inside `jax.jit` (an ordered host
+callback hands the round to the communicator's worker thread); torch on its tensors.
 """
 
 from __future__ import annotations
@@ -18,8 +22,6 @@ import keras
 import tensorflow as tf
 
 from tarantella import backends
-from tarantella.backends import fusion
-from tarantella.backends.tensorflow import gradients
 from tarantella.common import config
 from tarantella.runtime import world
 
@@ -32,14 +34,13 @@ def _refuse_where_the_backend_lacks_custom_training_loops():
     step = backends.step_class()
     step.refuse_unless(
         "custom_training_loops", "tnt.optimizers (allreduce_gradients, Optimizer)",
-        why=": it builds TensorFlow ops for a custom training loop",
-        instead=f"On {step.backend_name}, train with tnt.Model's fit (Keras' built-in step), or use the TensorFlow "
-                "backend for custom training loops.")
+        instead=f"On {step.backend_name}, train with tnt.Model's fit, or use the TensorFlow backend for custom "
+                "training loops.")
 
 
-def allreduce_gradients(grads: Sequence[tf.Tensor | None], num_samples: int | tf.Tensor | None = None,
+def allreduce_gradients(grads: Sequence[Any], num_samples: int | Any | None = None,
                         loss_reduction: Literal["mean", "sum"] = "mean",
-                        variables: Sequence[tf.Variable | keras.Variable] | None = None) -> list[tf.Tensor | None]:
+                        variables: Sequence[tf.Variable | keras.Variable] | None = None) -> list[Any]:
     """Returns the gradients of the global batch's loss from this rank's `grads`, on every rank.
 
     With `loss_reduction="mean"`, each rank's gradient is weighted by its share of the global
@@ -49,9 +50,11 @@ def allreduce_gradients(grads: Sequence[tf.Tensor | None], num_samples: int | tf
     contributes exactly zero, even if its gradient is NaN.
 
     Args:
-        grads: this rank's gradients, a list aligned with the variables (None entries stay None).
+        grads: this rank's gradients, a list aligned with the variables (None entries stay None):
+            TensorFlow tensors, JAX arrays (also inside `jax.jit`) or torch tensors, as the backend
+            computes them.
         num_samples: the number of samples this rank's loss was computed on (its micro-batch
-            size, e.g. `tf.shape(x)[0]`).
+            size, e.g. `tf.shape(x)[0]`, `x.shape[0]` or `len(x)`).
         loss_reduction: `"mean"` for a loss averaged over the micro-batch (Keras' default),
             `"sum"` for a loss summed over it.
         variables: the variables, aligned with `grads`: they give each gradient its variable's
@@ -59,12 +62,11 @@ def allreduce_gradients(grads: Sequence[tf.Tensor | None], num_samples: int | tf
             3-D inputs).
 
     Returns:
-        The gradients of the global batch, aligned with `grads`, the same on every rank.
+        The gradients of the global batch, aligned with `grads`, the same on every rank, in the
+        backend's arrays.
 
     Raises:
         ValueError: `loss_reduction` is neither "mean" nor "sum".
-        NotImplementedError: on the JAX and PyTorch backends (sum gradients with
-            `tnt.allreduce` there).
     """
     _refuse_where_the_backend_lacks_custom_training_loops()
     if loss_reduction not in _LOSS_REDUCTIONS:
@@ -73,48 +75,16 @@ def allreduce_gradients(grads: Sequence[tf.Tensor | None], num_samples: int | tf
     comm = world.init()
     if comm.size == 1 or all(g is None for g in grads):
         return list(grads)
-    grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
-    samples = None if num_samples is None else tf.cast(tf.reshape(num_samples, []), tf.float64)
-    # The allreduce writes into the buffers handed to it, and TensorFlow may fold a gradient
-    # (or a static sample count) into a constant whose buffer every later step reuses. A factor
-    # from DeepCopy, which TensorFlow never folds, makes each handed-over buffer new.
-    weight = tf.raw_ops.DeepCopy(x=samples if samples is not None and loss_reduction == "mean"
-                                 else tf.constant(1.0, tf.float64))
-    wire = []
-    for g in grads:
-        if g is not None:
-            g = tf.cast(g, fusion.wire_dtype(g.dtype.name))  # and m_r * g_r could overflow 16 bits
-            g = g * tf.cast(weight, g.dtype)
-            if samples is not None:  # 0 * NaN is NaN: a rank without samples must send zeros
-                g = tf.where(samples > 0, g, tf.zeros_like(g))
-        wire.append(g)
-    if samples is not None:
-        wire.append(tf.reshape(tf.raw_ops.DeepCopy(x=samples), [1]))
-    shapes = None
-    if variables is not None:
-        shapes = [tf.TensorSpec(v.shape) for v in variables] + ([wire[-1]] if samples is not None else [])
-    summed = gradients.GradientAllreduce(world.gradient_reducer(), config.fusion_threshold_bytes())(wire, shapes)
-    global_batch = summed.pop()[0] if num_samples is not None else None
-    if loss_reduction == "sum":
-        divisor = None
-    else:
-        divisor = global_batch if global_batch is not None else tf.constant(comm.size, tf.float64)
-    result = []
-    for original, total in zip(grads, summed):
-        if original is None:
-            result.append(None)
-            continue
-        if divisor is not None:
-            total = tf.math.divide_no_nan(total, tf.cast(divisor, total.dtype))
-        result.append(tf.cast(total, original.dtype))
-    return result
+    return backends.step_class().sum_loop_gradients(
+        list(grads), num_samples, loss_reduction, None if variables is None else list(variables),
+        world.gradient_reducer(), config.fusion_threshold_bytes(), comm.size)
 
 
 class Optimizer:
     """Wraps a Keras optimizer for a custom training loop on several ranks.
 
-    `apply` and `apply_gradients` first combine the ranks' gradients with
-    `allreduce_gradients` (pass `num_samples=`, the rank's micro-batch size), then run the
+    `apply`, `apply_gradients` and, on JAX, `stateless_apply` first combine the ranks' gradients
+    with `allreduce_gradients` (pass `num_samples=`, the rank's micro-batch size), then run the
     wrapped optimizer's update, the same on every rank. Everything else (`variables`,
     `learning_rate`, `iterations`, `build`, ...) is the wrapped optimizer's.
 
@@ -125,8 +95,6 @@ class Optimizer:
             `"sum"` for a loss summed over it.
 
     Raises:
-        NotImplementedError: on the JAX and PyTorch backends (sum gradients with
-            `tnt.allreduce` there).
         TypeError: `optimizer` is a tnt.optimizers.Optimizer already.
         ValueError: `loss_reduction` is neither "mean" nor "sum".
     """
@@ -176,6 +144,23 @@ class Optimizer:
         grads, variables = zip(*grads_and_vars)
         combined = allreduce_gradients(list(grads), num_samples, self._loss_reduction, list(variables))
         return self._optimizer.apply_gradients(zip(combined, variables))
+
+    def stateless_apply(self, optimizer_variables: Sequence[Any], grads: Sequence[Any],
+                        trainable_variables: Sequence[Any], num_samples: int | Any | None = None) -> tuple[list, list]:
+        """`keras.optimizers.Optimizer.stateless_apply` (a JAX training step's, also inside `jax.jit`),
+        after combining the ranks' gradients.
+
+        Args:
+            optimizer_variables: the optimizer's variable values, as Keras takes them.
+            grads: this rank's gradients, aligned with `trainable_variables`.
+            trainable_variables: the values of the variables to update.
+            num_samples: the number of samples this rank's loss averages over, as in `apply`.
+
+        Returns:
+            The updated trainable values and optimizer variable values, as Keras returns them.
+        """
+        combined = allreduce_gradients(list(grads), num_samples, self._loss_reduction)
+        return self._optimizer.stateless_apply(optimizer_variables, combined, trainable_variables)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._optimizer, name)

@@ -98,8 +98,7 @@ def test_a_model_saved_with_synchronized_batch_normalization_loads_and_trains_on
 
 
 @pytest.mark.parametrize("feature, named", [
-    ("custom_train_step", "overrides train_step"),
-    ("tnt_optimizers", "tnt.optimizers"),
+    ("synchronized_moments_in_custom_step", "Synchronized BatchNormalization inside an overridden train_step"),
     ("collective_on_tensor", "tnt.allreduce does not take Tensor values"),
     ("local_logs", "aggregate_logs=False"),
 ])

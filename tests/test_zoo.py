@@ -128,17 +128,17 @@ DEFAULT_CASES = {
         "distiller-train-step-without-call",
     ),
     # JAX's and torch's, on 2 ranks: a masked Transformer, an empty micro-batch, a tf.data pipeline
-    # transformed after batch() with add_loss, and the refused overridden train_step; torch's also a
+    # transformed after batch() with add_loss; torch's also a
     # subclassed model and the on-batch methods (JAX's run only in the whole JAX zoo: the default
     # run's time). tests/test_jax_backend.py and tests/test_torch_backend.py cover the rest of the
     # equivalence matrix on these backends.
     "jax": (
         "transformer-encoder-classifier", "conv2d-empty-micro-batch",
-        "batch-then-padded-batch-map-drop-remainder", "distiller-train-step-without-call",
+        "batch-then-padded-batch-map-drop-remainder",
     ),
     "torch": (
         "transformer-encoder-classifier", "recommender-subclassed-per-sample-dot", "conv2d-empty-micro-batch",
-        "on-batch-methods", "batch-then-padded-batch-map-drop-remainder", "distiller-train-step-without-call",
+        "on-batch-methods", "batch-then-padded-batch-map-drop-remainder",
     ),
 }
 

@@ -28,7 +28,7 @@ class Step(abc.ABC):
     custom_steps = False
     # tnt.keras.callbacks.Callback(aggregate_logs=False): a callback that sees the rank's own logs.
     rank_local_logs = False
-    # tnt.optimizers: the gradient sum of a custom training loop.
+    # tnt.optimizers: the gradient sum of a custom training loop (`sum_loop_gradients`).
     custom_training_loops = False
     # XLA may compile the step with its collectives inside (False: tnt.Model turns jit_compile off
     # on several ranks, as XLA cannot compile a host-side allreduce).
@@ -85,6 +85,14 @@ class Step(abc.ABC):
         """`leaf` of the values passed to the public collective tnt.`name`, as the collectives take it:
         a TensorFlow tensor or variable, a NumPy array or number, or None."""
         return leaf
+
+    @classmethod
+    def sum_loop_gradients(cls, grads, num_samples, loss_reduction, variables, reducer, threshold_bytes, ranks):
+        """`tnt.optimizers.allreduce_gradients` on this backend (tarantella/optimizers.py has the
+        contract): this rank's `grads` (the backend's arrays or tensors, None entries stay None)
+        made the global batch's, each weighted by `num_samples` (or alike, where None) and summed over
+        the `ranks` through `reducer` in one fused round (`threshold_bytes`), in the backend's arrays."""
+        raise NotImplementedError
 
     @classmethod
     def host_view(cls, variable):

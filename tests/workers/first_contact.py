@@ -4,7 +4,8 @@
     tarantella -n N -- tests/workers/first_contact.py SCRIPT tnt OUT_DIR
 
 `serial` removes the script's two tarantella lines (`import tarantella as tnt` and
-`model = tnt.Model(model)`, each exactly once, each replaced by an empty line so that tracebacks
+`model = tnt.Model(model)`; in a training loop of its own, `import tarantella as tnt`,
+`optimizer = tnt.optimizers.Optimizer(optimizer)` and `train_dataset = tnt.data.distribute(train_dataset)`), each exactly once, each replaced by an empty line so that tracebacks
 keep their line numbers) and runs the rest: plain Keras, the script its user started from. `tnt`
 runs the script unchanged. Nothing else differs: both run the source as `__main__` with the
 script's own `__file__`, `sys.argv` and `sys.path[0]`, as `python SCRIPT` would, on the backend
@@ -24,13 +25,22 @@ import tokenize
 import numpy as np
 
 TARANTELLA_LINES = ("import tarantella as tnt", "model = tnt.Model(model)")
+# A training loop of the user's own (keras-io's "Writing a training loop from scratch") has no
+# tnt.Model: its three lines wrap the optimizer and split the training batches.
+LOOP_LINES = ("import tarantella as tnt", "optimizer = tnt.optimizers.Optimizer(optimizer)",
+              "train_dataset = tnt.data.distribute(train_dataset)")
 RESULTS = ("model", "history", "score", "predictions")
 
 
+def tarantella_lines(source):
+    """The lines a script adds to serial Keras: a loop's where it wraps an optimizer, else the two."""
+    return LOOP_LINES if LOOP_LINES[1] in [line.strip() for line in source.splitlines()] else TARANTELLA_LINES
+
+
 def serial_source(source, script):
-    """The script without its two tarantella lines; nothing of tarantella may be left in it."""
+    """The script without its tarantella lines; nothing of tarantella may be left in it."""
     lines = source.splitlines(keepends=True)
-    for wanted in TARANTELLA_LINES:
+    for wanted in tarantella_lines(source):
         found = [i for i, line in enumerate(lines) if line.strip() == wanted]
         assert len(found) == 1, f"{script}: the line `{wanted}` occurs {len(found)} times, not once"
         lines[found[0]] = "\n"
@@ -38,7 +48,7 @@ def serial_source(source, script):
     left = [token for token in tokenize.generate_tokens(io.StringIO(serial).readline)
             if token.type == tokenize.NAME and token.string in ("tnt", "tarantella")]
     assert not left, f"{script}: the serial script still uses tarantella on line {left[0].start[0]}: " \
-                     f"only the two lines {TARANTELLA_LINES} may differ"
+                     f"only the lines {tarantella_lines(source)} may differ"
     return serial
 
 

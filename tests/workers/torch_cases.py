@@ -183,10 +183,11 @@ def refuse(feature):
 
     features, labels = data(np)
     try:
-        if feature == "custom_train_step":
-            tnt.Model(OwnTrainStep([keras.Input((8,)), keras.layers.Dense(3)]))
-        elif feature == "tnt_optimizers":
-            tnt.optimizers.Optimizer(keras.optimizers.SGD())
+        if feature == "synchronized_moments_in_custom_step":
+            model = tnt.Model(OwnTrainStep([keras.Input((8,)), keras.layers.BatchNormalization(), keras.layers.Dense(3)]),
+                              synchronized_batch_normalization=True)
+            model.compile("sgd", "sparse_categorical_crossentropy")
+            model.fit(features, labels, batch_size=8, verbose=0)
         elif feature == "collective_on_tensor":
             tnt.allreduce(torch.ones(3))
         elif feature == "local_logs":
@@ -195,7 +196,7 @@ def refuse(feature):
             model.fit(features, labels, batch_size=8, verbose=0,
                       callbacks=[tnt.keras.callbacks.Callback(keras.callbacks.Callback(), aggregate_logs=False)])
     except NotImplementedError as refusal:
-        print(f"rank {tnt.get_rank()} refused: {refusal}", flush=True)
+        print(f"rank {tnt.get_rank()} refused: {' '.join(str(refusal).split())}", flush=True)  # Keras may wrap it over lines
         sys.exit(3)
 
 

@@ -61,15 +61,17 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 from jax.experimental import io_callback
-from jax.experimental.buffer_callback import buffer_callback
 # Keras' JAX backend computes BatchNormalization's moments here, and refuses synchronized=True;
 # tests/test_keras_internals.py checks that the layer still calls it.
 from keras.src.backend.jax import nn as keras_jax_nn
 
-from tarantella.backends import fusion, loss_terms, metric_sums, moments
+from tarantella.backends import custom_logs, loop_gradients, loss_terms, metric_sums, moments
 from tarantella.backends.base import Step
 from tarantella.backends.rows import at_least_one_row
+from tarantella.backends.jax import custom_step
 from tarantella.backends.jax import devices as jax_devices
+from tarantella.backends.jax import gradient_sums
+from tarantella.backends.jax.gradient_sums import BucketSum
 from tarantella.backends.tensorflow import devices as tensorflow_devices
 from tarantella.runtime.kinds import Collective
 
@@ -81,6 +83,8 @@ class JaxStep(Step):
     """Builds the pure train, test and predict steps that Keras' JAX trainer jits."""
 
     backend_name = "JAX"
+    custom_steps = True
+    custom_training_loops = True
     keras_builds_from_an_extra_pass = True
     keras_steps_take_arrays = True
     # JAX has no float64 unless x64 is switched on for the whole process; the sums over the ranks
@@ -103,9 +107,21 @@ class JaxStep(Step):
                 raise NotImplementedError(
                     f"tnt.{name} cannot run inside jitted code (a custom step, a jax.jit function) on Keras' JAX "
                     "backend yet. Call it outside jit, on NumPy or JAX arrays (e.g. in a callback or between fit "
-                    "calls), or use the TensorFlow backend, where it runs inside tf.function.")
+                    "calls); inside jit, sum gradients with tnt.optimizers.allreduce_gradients or "
+                    "tnt.optimizers.Optimizer; or use the TensorFlow backend, where it runs inside tf.function.")
             leaf = np.asarray(leaf)
         return leaf
+
+    @classmethod
+    def sum_loop_gradients(cls, grads, num_samples, loss_reduction, variables, reducer, threshold_bytes, ranks):
+        leaves = [g for g in grads if g is not None] + ([] if num_samples is None else [num_samples])
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):  # inside jax.jit: a fenced callback
+            return gradient_sums.loop_sum(reducer, threshold_bytes, ranks, list(grads), num_samples, loss_reduction)
+        arrays = [None if g is None else np.asarray(g) for g in grads]
+        summed = loop_gradients.summed_gradients(reducer, threshold_bytes, ranks, arrays,
+                                                 None if num_samples is None else np.asarray(num_samples),
+                                                 loss_reduction)
+        return [None if total is None else jnp.asarray(total) for total in summed]
 
     @classmethod
     def configure_devices(cls, share, threads):
@@ -133,20 +149,23 @@ class JaxStep(Step):
         self._reducer = reducer
         self._model = model
         self._threshold_bytes = threshold_bytes
-        # On the CPU the gradient sum reads and writes XLA's own buffers; a GPU's must be copied.
-        self._gradients_in_host_memory = jax.default_backend() == "cpu"
+        self._bucket_sum = BucketSum(reducer, threshold_bytes)
+        # A model's own stateless train_step or test_step (custom_step.py), else Keras' built-in one.
+        self._custom = {kind: getattr(type(model), f"{kind}_step") is not getattr(keras.Model, f"{kind}_step")
+                        for kind in ("train", "test")}
 
     def expect_global_batch_size(self, size):
         """Not needed here: every step opens with the sum of the ranks' sample counts."""
 
     def optimizers(self):
-        """The optimizer Keras' built-in step applies (the only step JAX runs distributed)."""
-        optimizer = getattr(self._model, "optimizer", None)
-        return [optimizer] if isinstance(optimizer, keras.optimizers.Optimizer) else []
+        """Every optimizer the wrapped model holds (a custom step may apply several)."""
+        return custom_logs.model_optimizers(self._model)
 
     # -- the steps, with Keras' JAX trainer's signatures --------------------------------------
 
     def train(self, state, data):
+        if self._custom["train"]:
+            return custom_step.train(self, self._model, state, data)
         trainable, non_trainable, optimizer_state, metric_state = state
         model = self._model
         data, samples = at_least_one_row(data)
@@ -175,6 +194,8 @@ class JaxStep(Step):
         return self._logs(metric_state), (trainable, non_trainable, optimizer_state, metric_state)
 
     def test(self, state, data):
+        if self._custom["test"]:
+            return custom_step.test(self, self._model, state, data)
         trainable, non_trainable, metric_state = state
         model = self._model
         data, samples = at_least_one_row(data)
@@ -278,6 +299,10 @@ class JaxStep(Step):
         finally:
             keras_jax_nn.moments = original
 
+    def _refused_moments(self):
+        """While a custom step runs: synchronized BatchNormalization refused, on every rank."""
+        return custom_logs.refused_synchronized_moments(keras_jax_nn, self.backend_name)
+
     def _moments_of_every_rank(self, sequence, contributes, x, axes, keepdims):
         local, shape, axes = moments.local_sums(x, axes, self.widest_float, contributes)
         summed = self._summed_with_summed_gradients(sequence, contributes, local)
@@ -306,63 +331,12 @@ class JaxStep(Step):
         sequence.append(f"{_MOMENTS.what} of float64[{local.size}]")
         return sum_over_ranks(local)
 
-    def _sum_gradients(self, sequence, grads, contributes):
+    def _sum_gradients(self, sequence, grads, contributes, after=()):
         """The sum over ranks of the (share-weighted) `grads`, and one summed bucket that later
         collectives of the step take as an input, so that they run after this one; a rank that
-        does not contribute sends zeros (its zero row's gradients may hold NaN)."""
-        wire = [g.astype(fusion.wire_dtype(g.dtype.name)) for g in grads]
-        layout = fusion.BucketLayout([g.size for g in wire], [g.dtype.name for g in wire], self._threshold_bytes,
-                                     list(reversed(range(len(grads)))))
-        members = [[index for index, _, _ in bucket_members] for _, _, bucket_members in layout.buckets]
-        if not members:
-            return grads, None
-        # A gradient alone in its bucket (every one that reaches the fusion threshold) is handed
-        # over as it is; only the small ones are concatenated.
-        buckets = [wire[bucket[0]] if len(bucket) == 1 else jnp.concatenate([jnp.ravel(wire[i]) for i in bucket])
-                   for bucket in members]
-        # The callback below is in no ordered chain of callbacks: only its inputs keep it after the
-        # step's earlier collectives. A rank that sends zeros passes its gradients too, unread.
-        waited_for = () if contributes else tuple(buckets)
-        if not contributes:
-            buckets = [jnp.zeros_like(b) for b in buckets]
-        sequence.append(fusion.round_description(layout.names()))
-        # Each bucket is summed in place, in the buffer XLA computed it in (aliased from the
-        # callback's input to its output): the worker reads and writes it there, so no bucket is
-        # copied and no fresh output buffer is faulted in (for the MLP of benchmarks/scaling.py,
-        # faulting in 40 MB of output each step cost more than its ring allreduce).
-        specs = [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buckets]
-        if self._gradients_in_host_memory:
-            summed = buffer_callback(self._sum_in_place, specs, has_side_effect=True,
-                                     input_output_aliases={i: i for i in range(len(buckets))})(*buckets, *waited_for)
-        else:  # a GPU's buffers: JAX copies the buckets to the host and the sums back
-            summed = io_callback(functools.partial(self._sum_copies, len(buckets)), specs, *buckets, *waited_for,
-                                 ordered=True)
-        result = list(grads)
-        for (_, _, bucket_members), total in zip(layout.buckets, summed):
-            if len(bucket_members) == 1:
-                result[bucket_members[0][0]] = total.astype(grads[bucket_members[0][0]].dtype)
-                continue
-            for i, offset, size in bucket_members:
-                result[i] = total[offset:offset + size].reshape(grads[i].shape).astype(grads[i].dtype)
-        return result, jnp.ravel(summed[0])[:1]
-
-    def _sum_in_place(self, context, sums, *buckets_and_unread):
-        """Sums every bucket over ranks where it lies: each of `sums` is XLA's buffer of its
-        bucket, valid while this runs."""
-        self._sum_flat([np.asarray(total).reshape(-1) for total in sums])
-
-    def _sum_copies(self, count, *buckets_and_unread):
-        """The sums over ranks of the first `count` arrays, host copies of a GPU's buckets."""
-        buckets = buckets_and_unread[:count]
-        sums = [np.array(bucket).reshape(-1) for bucket in buckets]
-        self._sum_flat(sums)
-        return [total.reshape(np.shape(bucket)) for total, bucket in zip(sums, buckets)]
-
-    def _sum_flat(self, arrays):
-        """Sums each 1-D array over ranks in place, as one round of gradient buckets."""
-        for index, array in enumerate(arrays):
-            self._reducer.submit(index, len(arrays), array, agreed=True)
-        self._reducer.collect()
+        does not contribute sends zeros (its zero row's gradients may hold NaN). `after`: arrays
+        the sum receives unread, to run after what computes them."""
+        return self._bucket_sum(grads, contributes, sequence=sequence, after=after)
 
     def _add_global_increments(self, sequence, metric_state, increments, contributes, after=None):
         """The metric state advanced by the increments of every rank. `after` (optional, an

@@ -150,3 +150,44 @@ class GradientAllreduce:
         if opened:
             flat.append(np.float64(self._reducer.global_samples))
         return flat
+
+
+def loop_sum(grads, num_samples, loss_reduction, variables, reducer, threshold_bytes, ranks):
+    """`tnt.optimizers.allreduce_gradients` on TensorFlow, eagerly or inside a `tf.function`: each
+    gradient times the rank's sample count, summed with the count in one `GradientAllreduce` round
+    and divided by the global count (tarantella/optimizers.py has the contract)."""
+    grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+    samples = None if num_samples is None else tf.cast(tf.reshape(num_samples, []), tf.float64)
+    # The allreduce writes into the buffers handed to it, and TensorFlow may fold a gradient
+    # (or a static sample count) into a constant whose buffer every later step reuses. A factor
+    # from DeepCopy, which TensorFlow never folds, makes each handed-over buffer new.
+    weight = tf.raw_ops.DeepCopy(x=samples if samples is not None and loss_reduction == "mean"
+                                 else tf.constant(1.0, tf.float64))
+    wire = []
+    for g in grads:
+        if g is not None:
+            g = tf.cast(g, fusion.wire_dtype(g.dtype.name))  # and m_r * g_r could overflow 16 bits
+            g = g * tf.cast(weight, g.dtype)
+            if samples is not None:  # 0 * NaN is NaN: a rank without samples must send zeros
+                g = tf.where(samples > 0, g, tf.zeros_like(g))
+        wire.append(g)
+    if samples is not None:
+        wire.append(tf.reshape(tf.raw_ops.DeepCopy(x=samples), [1]))
+    shapes = None
+    if variables is not None:
+        shapes = [tf.TensorSpec(v.shape) for v in variables] + ([wire[-1]] if samples is not None else [])
+    summed = GradientAllreduce(reducer, threshold_bytes)(wire, shapes)
+    global_batch = summed.pop()[0] if num_samples is not None else None
+    if loss_reduction == "sum":
+        divisor = None
+    else:
+        divisor = global_batch if global_batch is not None else tf.constant(ranks, tf.float64)
+    result = []
+    for original, total in zip(grads, summed):
+        if original is None:
+            result.append(None)
+            continue
+        if divisor is not None:
+            total = tf.math.divide_no_nan(total, tf.cast(divisor, total.dtype))
+        result.append(tf.cast(total, original.dtype))
+    return result

@@ -42,6 +42,7 @@ import tensorflow as tf
 from tarantella.backends import metric_sums, rows
 from tarantella.backends.base import Step
 from tarantella.backends.tensorflow import devices
+from tarantella.backends.tensorflow import gradients
 from tarantella.backends.tensorflow.gradients import GradientAllreduce
 from tarantella.backends.tensorflow.traced_step import StepState
 from tarantella.runtime import events
@@ -69,6 +70,10 @@ class TensorFlowStep(Step):
     @classmethod
     def configure_devices(cls, share, threads):
         devices.configure(share, threads, computes_steps=True)
+
+    @classmethod
+    def sum_loop_gradients(cls, grads, num_samples, loss_reduction, variables, reducer, threshold_bytes, ranks):
+        return gradients.loop_sum(grads, num_samples, loss_reduction, variables, reducer, threshold_bytes, ranks)
 
     @classmethod
     def snapshot(cls, variables, buffers=None):

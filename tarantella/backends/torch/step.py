@@ -46,10 +46,11 @@ import torch
 # tests/test_keras_internals.py checks that the layer still calls it.
 from keras.src.backend.torch import nn as keras_torch_nn
 
-from tarantella.backends import fusion, loss_terms, metric_sums, moments
+from tarantella.backends import custom_logs, fusion, loop_gradients, loss_terms, metric_sums, moments
 from tarantella.backends.base import Step
 from tarantella.backends.rows import at_least_one_row
 from tarantella.backends.tensorflow import devices as tensorflow_devices
+from tarantella.backends.torch import custom_step
 from tarantella.backends.torch import devices as torch_devices
 from tarantella.runtime.kinds import Collective
 
@@ -62,6 +63,8 @@ class TorchStep(Step):
     """Runs the wrapped model's built-in torch steps so that every rank gets the serial step's results."""
 
     backend_name = "PyTorch"
+    custom_steps = True
+    custom_training_loops = True
     keras_builds_from_an_extra_pass = True
     keras_steps_take_arrays = True
 
@@ -74,6 +77,16 @@ class TorchStep(Step):
                 f"tnt.{name} does not take {type(leaf).__name__} values on Keras' PyTorch backend yet. Pass "
                 "NumPy arrays or numbers (e.g. tensor.detach().cpu().numpy()), or use the TensorFlow backend.")
         return leaf
+
+    @classmethod
+    def sum_loop_gradients(cls, grads, num_samples, loss_reduction, variables, reducer, threshold_bytes, ranks):
+        arrays = [None if g is None else _host_array(g) for g in grads]
+        samples = None if num_samples is None else _host_array(num_samples)
+        summed = loop_gradients.summed_gradients(reducer, threshold_bytes, ranks, arrays, samples, loss_reduction)
+        return [None if g is None else torch.from_numpy(np.ascontiguousarray(total)).to(
+                    device=g.device if isinstance(g, torch.Tensor) else None,
+                    dtype=g.dtype if isinstance(g, torch.Tensor) else None)
+                for g, total in zip(grads, summed)]
 
     @classmethod
     def configure_devices(cls, share, threads):
@@ -104,14 +117,16 @@ class TorchStep(Step):
         self._threshold_bytes = threshold_bytes
         self._plan = None
         self._round = None  # the gradient round of the step that runs backprop now
+        # A model's own train_step or test_step (custom_step.py), else Keras' built-in one.
+        self._custom = {kind: getattr(type(model), f"{kind}_step") is not getattr(keras.Model, f"{kind}_step")
+                        for kind in ("train", "test")}
 
     def expect_global_batch_size(self, size):
         """Not needed here: every step opens with the sum of the ranks' sample counts."""
 
     def optimizers(self):
-        """The optimizer Keras' built-in step applies (the only step torch runs distributed)."""
-        optimizer = getattr(self._model, "optimizer", None)
-        return [optimizer] if isinstance(optimizer, keras.optimizers.Optimizer) else []
+        """Every optimizer the wrapped model holds (a custom step may apply several)."""
+        return custom_logs.model_optimizers(self._model)
 
     def expect_unknown_length(self, kind, global_batch_spec):
         """Not needed here: Keras-on-torch reads each batch before it runs a step."""
@@ -123,6 +138,8 @@ class TorchStep(Step):
     # -- the steps, with Keras' torch trainer's signatures --------------------------------------
 
     def train(self, data):
+        if self._custom["train"]:
+            return custom_step.run(self, "train", data)
         model = self._model
         plan = self._gradient_plan()
         data, samples = at_least_one_row(data)
@@ -148,6 +165,8 @@ class TorchStep(Step):
         return self._global_metrics(metric_variables, state_before, samples > 0)
 
     def test(self, data):
+        if self._custom["test"]:
+            return custom_step.run(self, "test", data)
         model = self._model
         data, samples = at_least_one_row(data)
         metric_variables = model.metrics_variables
@@ -174,6 +193,10 @@ class TorchStep(Step):
 
         inverse_share = global_samples / samples if samples else 0.0
         return loss_terms.global_loss_terms(compile_loss, lambda: inverse_share, sum_over_ranks)
+
+    def _refused_moments(self):
+        """While a custom step runs: synchronized BatchNormalization refused, on every rank."""
+        return custom_logs.refused_synchronized_moments(keras_torch_nn, self.backend_name)
 
     def predict(self, data):
         """Every rank's predictions of the global batch, in sample order."""
@@ -407,6 +430,15 @@ def _applying_summed_gradients(optimizer, gradient_round):
 
 def _metrics_description(metric_variables):
     return f"{_METRICS.what} of float64[{sum(int(np.prod(v.shape)) for v in metric_variables)}]"
+
+
+def _host_array(value):
+    """A NumPy copy of a torch tensor, a Keras variable or a number."""
+    if isinstance(value, keras.Variable):
+        value = value.value
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
 
 
 def _zero(variables):

@@ -1,0 +1,115 @@
+"""A model's own `train_step(self, state, data)` and `test_step(self, state, data)` on Keras' JAX
+backend, made global: keras-io's "Customizing what happens in fit() with JAX" and what follows it.
+
+Keras' JAX trainer jits the stateless step it is given. `JaxStep` hands an overridden one the rank's
+micro-batch and the state with every metric variable at zero, and while it is traced:
+
+1. the step opens with the sum of the ranks' sample counts m, the global batch size B, and agrees on
+   its sequence of collectives (as the built-in step);
+2. every optimizer the model holds sums the gradients given to its `stateless_apply` over the
+   ranks before the update, each rank's weighted by its share m/B (the loss the user differentiated
+   is a mean over the micro-batch, as `compute_loss` and Keras' losses give). Each sum is one round
+   of fused buckets (gradient_sums.py), fenced between ordered callbacks, so a step with several
+   optimizers (or ones applied twice) sums them in the order it traced them;
+3. compiled losses that do not divide by the micro-batch's entries are made global as in the
+   built-in step (loss_terms.py);
+4. the metric state the step returns holds the rank's increments: they are summed over ranks (a Mean
+   fed one scalar per step weighted by the share) and added to the state before; the logs it
+   returns are read again from that global state, and any other number becomes its share-weighted
+   sum (custom_logs.py).
+
+A rank without samples steps on one zero row, sends zeros and keeps its non-trainable state.
+"""
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import io_callback
+
+from tarantella.backends import custom_logs, metric_sums
+from tarantella.backends.rows import at_least_one_row
+from tarantella.runtime.kinds import Collective
+
+
+def train(step, model, state, data):
+    """`model.train_step(state, data)` on the rank's micro-batch, global (`step`: the JaxStep)."""
+    trainable, non_trainable, optimizer_state, metric_state = state
+    return _run(step, model, "training", model.train_step, (trainable, non_trainable, optimizer_state),
+                metric_state, data)
+
+
+def test(step, model, state, data):
+    """`model.test_step(state, data)` on the rank's micro-batch, global."""
+    trainable, non_trainable, metric_state = state
+    return _run(step, model, "test", model.test_step, (trainable, non_trainable), metric_state, data)
+
+
+def _run(step, model, kind, step_function, leading_state, metric_state, data):
+    """The user's `step_function` on the state (`leading_state` and the metric state zeroed); its
+    state comes back in the same order, the metric state last."""
+    data, samples = at_least_one_row(data)
+    sequence = [f"a custom {kind} step"]
+    global_samples = step._open_step(sequence, samples)
+    share = (samples / global_samples).astype(jnp.float32)
+    zeroed = [jnp.zeros_like(v) for v in metric_state]
+    watched = custom_logs.WatchedMetrics(model.metrics, model.metrics_variables)
+    with _global_step(step, model, watched, sequence, samples, global_samples, share):
+        logs, new_state = step_function((*leading_state, zeroed), data)
+    *new_leading, increments = new_state
+    metric_state, logs = _global_metrics_and_logs(step, watched, sequence, metric_state, increments, logs,
+                                                  share, samples > 0)
+    if samples == 0:
+        new_leading[1] = leading_state[1]  # the non-trainable state, which the zero row must not change
+    return logs, (*new_leading, metric_state)
+
+
+@contextlib.contextmanager
+def _global_step(step, model, watched, sequence, samples, global_samples, share):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(watched.installed())
+        for optimizer in custom_logs.model_optimizers(model):
+            stack.enter_context(custom_logs.instance_override(
+                optimizer, "stateless_apply", _summed_apply(step, optimizer, sequence, share, samples > 0)))
+        stack.enter_context(step._global_loss_terms(sequence, samples, global_samples))
+        stack.enter_context(step._refused_moments())
+        yield
+
+
+def _summed_apply(step, optimizer, sequence, share, contributes):
+    original = optimizer.stateless_apply
+
+    def stateless_apply(optimizer_variables, grads, trainable_variables):
+        weighted = [None if g is None else g * share.astype(g.dtype) for g in grads]
+        present = [i for i, g in enumerate(weighted) if g is not None]
+        summed = step._bucket_sum.fenced([weighted[i] for i in present], contributes, sequence=sequence)
+        for i, total in zip(present, summed):
+            weighted[i] = total
+        return original(optimizer_variables, weighted, trainable_variables)
+
+    return stateless_apply
+
+
+def _global_metrics_and_logs(step, watched, sequence, metric_state, increments, logs, share, contributes):
+    """The metric state advanced by every rank's increments, and the logs read from it."""
+    leaves, numbers = watched.split_logs(logs)
+    values = list(increments) + list(numbers.values())
+    if not values:
+        return metric_state, logs
+    weights = watched.weights(share) + [share] * len(numbers)
+    flat = metric_sums.flat(values, step.widest_float, weights)
+    if not contributes:
+        flat = jnp.zeros_like(flat)
+    what = Collective.LOSSES_AND_METRICS
+    sequence.append(f"{what.what} of float32[{flat.size}]")
+    summed = io_callback(functools.partial(step._sum_in_float64, what), jax.ShapeDtypeStruct(flat.shape, jnp.float32),
+                         flat, ordered=True)
+    summed_values = metric_sums.pieces(summed, values)
+    metric_state = [before + piece for before, piece in zip(metric_state, summed_values[:len(increments)])]
+    combined = dict(zip(numbers, summed_values[len(increments):]))
+
+    def result_of(metric):
+        return metric.stateless_result([metric_state[i] for i in watched.positions(metric)])
+
+    return metric_state, watched.global_logs(logs, leaves, combined, result_of)
