@@ -21,7 +21,7 @@ There is no netem on this kernel, so no delay is added; the projection uses the 
 
 Variants, all in the same job and the same rounds (a round: every link profile, and on each
 every variant, one window of --steps timed steps each, the order reversed every other round):
-  tnt         tarantella as it is (fusion threshold 32 KiB, nominal)
+  tnt         tarantella as it is (its automatic fusion threshold for the job's ranks and hosts, nominal)
   tnt-mpi     TNT_ALLREDUCE=mpi (MPI_Allreduce for every bucket)
   one-bucket  a fusion threshold above the model's size: one bucket, after backprop (no overlap)
   fusion-KB   fusion threshold KB KiB (nominal); --thresholds picks two (default 1024, 8192)
@@ -73,8 +73,7 @@ WORKER = os.path.join(HERE, "cluster", "worker.py")
 NETPROBE = os.path.join(HERE, "cluster", "netprobe.py")
 MODELS = ("resnet50", "transformer_big", "bert_base", "vgg16")
 DEFAULT_SCALE = 512
-DEFAULT_THRESHOLD_KB = 32
-DEFAULT_THRESHOLDS = (1024, 8192)
+DEFAULT_THRESHOLDS = (32, 8192)  # 32 KiB: tarantella's threshold on one node
 PEERS = ("ddp",)  # variants that are not tarantella: no fusion plan, so no limit or model of their own
 START_TIMEOUT_S = 900
 WINDOW_TIMEOUT_S = 300
@@ -219,8 +218,7 @@ def measure(model, ranks, ranks_per_host, links, labels, scale, repeats, steps, 
 # -- analysis -----------------------------------------------------------------------------
 
 def threshold_bytes_of(label, thresholds_kb, scale):
-    kb = thresholds_kb.get(label if label != "tnt-mpi" else "tnt", DEFAULT_THRESHOLD_KB)
-    return int(kb / scale * 1024)
+    return int(thresholds_kb[label if label != "tnt-mpi" else "tnt"] / scale * 1024)
 
 
 def link_parameters(probe, link, scale):

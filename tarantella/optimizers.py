@@ -22,7 +22,6 @@ import keras
 import tensorflow as tf
 
 from tarantella import backends
-from tarantella.common import config
 from tarantella.runtime import world
 
 __all__ = ["Optimizer", "allreduce_gradients"]
@@ -77,7 +76,7 @@ def allreduce_gradients(grads: Sequence[Any], num_samples: int | Any | None = No
         return list(grads)
     return backends.step_class().sum_loop_gradients(
         list(grads), num_samples, loss_reduction, None if variables is None else list(variables),
-        world.gradient_reducer(), config.fusion_threshold_bytes(), comm.size)
+        world.gradient_reducer(), backends.fusion_threshold_bytes(), comm.size)
 
 
 class Optimizer:

@@ -192,8 +192,8 @@ class Recorder:
                        "otherData": self._metadata()}, file)
         os.replace(partial, self.path)
         if report:
-            from tarantella.common import config
-            text = step_report(gathered, self.offsets, self.hosts, config.fusion_threshold_bytes())
+            from tarantella import backends
+            text = step_report(gathered, self.offsets, self.hosts, backends.fusion_threshold_bytes())
             if text:
                 print(text + f"\nTrace: {self.path} (open it in https://ui.perfetto.dev or chrome://tracing)",
                       flush=True)

@@ -1,4 +1,6 @@
-"""`tarantella-timeline TRACE.json PICTURE.png`: draws a trace that `tarantella --timeline` wrote.
+"""`tarantella-timeline TRACE.json PICTURE.png`: draws a trace that `tarantella --timeline` wrote
+(`tarantella-timeline TRACE.json --project ...` models its step at many ranks instead:
+timeline_projection.py).
 
 One group of three lanes per rank (main thread, the step's collective calls, the collectives
 worker) over a few consecutive training steps of the master, on the master's clock, so that
@@ -10,6 +12,7 @@ import argparse
 import json
 import sys
 
+from tarantella import timeline_projection
 from tarantella.timeline_report import MAIN_ROW, OPS_ROW, WORKER_ROW
 
 # Category -> (colour, legend). Slices drawn over a longer one (waiting, transfer) are drawn thinner.
@@ -84,16 +87,25 @@ def build_parser():
     parser = argparse.ArgumentParser(prog="tarantella-timeline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace", help="the file `tarantella --timeline FILE` wrote")
-    parser.add_argument("picture", help="the PNG file to write")
+    parser.add_argument("picture", nargs="?", help="the PNG file to write")
     parser.add_argument("--first-step", type=int, default=2,
                         help="the master's first training step to show, counted from 1 (default 2: step 1 traces)")
     parser.add_argument("--steps", type=int, default=2, help="consecutive steps to show (default 2)")
+    projection = parser.add_argument_group(
+        "projection", "--project models the traced step at many ranks on your network instead of drawing it")
+    projection.add_argument("--project", action="store_true",
+                            help="print the modelled step and efficiency at --ranks on your network")
+    timeline_projection.add_arguments(projection)
     return parser
 
 
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.project:
+        return timeline_projection.main(args, parser)
+    if args.picture is None:
+        parser.error("name the PNG file to write (or --project, to model the step at many ranks)")
     if args.first_step < 1 or args.steps < 1:
         parser.error("--first-step and --steps must be at least 1")
     with open(args.trace) as file:

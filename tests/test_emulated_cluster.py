@@ -184,29 +184,6 @@ def test_the_profile_model_waits_in_backprop_order_and_makes_real_gradients(back
         assert weight == pytest.approx([expected] * len(weight), rel=1e-5)
 
 
-def test_projection_from_a_multi_rank_trace_reads_each_buckets_ready_time_and_bytes(tmp_path):
-    import projection
-    step = {"pid": 0, "cat": "step", "name": "train step", "ph": "X"}
-    events = [dict(step, ts=1_000_000, dur=300_000), dict(step, ts=2_000_000, dur=320_000)]
-    for start in (1_000_000, 2_000_000):
-        events += [{"pid": 0, "name": "hand-over of bucket 0", "ph": "i", "ts": start + 100_000},
-                   {"pid": 0, "name": "hand-over of bucket 1", "ph": "i", "ts": start + 250_000}]
-    events += [{"pid": 0, "cat": "gradients", "ph": "X", "name": "allreduce", "ts": 0, "dur": 1,
-                "args": {"bucket": b, "bytes": n}} for b, n in ((0, 4_000_000), (1, 1_000_000))]
-    trace = tmp_path / "trace.json"
-    trace.write_text(json.dumps({"traceEvents": events}))
-    compute, buckets = projection.schedule_from_trace(str(trace))
-    assert compute == pytest.approx(0.25)
-    assert buckets == [(pytest.approx(0.1), 4_000_000), (pytest.approx(0.25), 1_000_000)]
-    # 2 ranks, no latency, 1 GB/s: the ring moves 2 (p-1)/p s bytes: 4 ms and 1 ms; bucket 0 ends at
-    # 104 ms, bucket 1 at 251 ms: the step is 251 ms, efficiency 0.25 / 0.251.
-    result = projection.project(compute, buckets, [2], 0.0, 1e9)
-    assert result[2]["tarantella"][0] == pytest.approx(0.251)
-    assert result[2]["tarantella"][1] == pytest.approx(0.25 / 0.251)
-    # One bucket after backprop: 250 ms + 5 ms.
-    assert result[2]["one bucket"][0] == pytest.approx(0.255)
-
-
 def test_a_shaped_link_carries_the_profiles_rate(tmp_path):
     problem = cluster_hosts.available()
     if problem:

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from tarantella.backends.fusion import BucketLayout, plan_buckets, round_description
+from tarantella.backends.fusion import BucketLayout, automatic_threshold_bytes, plan_buckets, round_description
+from tarantella.common import config
 
 F32, F64 = "float32", "float64"
 
@@ -64,3 +65,25 @@ def test_the_layout_places_each_gradient_at_its_offset_in_backprop_order():
     assert fused.buckets == [(F32, 9, [(2, 0, 3), (1, 3, 2), (0, 5, 4)])]
     assert fused.place == {2: (0, 0, 3), 1: (0, 3, 2), 0: (0, 5, 4)}
     assert round_description(fused.names() + ["sparse"]) == "a gradient allreduce of buckets float32[9], sparse"
+
+
+def test_the_automatic_threshold_stays_small_on_one_node_and_grows_with_the_ranks_across_nodes():
+    KIB, MIB = 1 << 10, 1 << 20
+    # One node: messages cost microseconds, and small buckets start summing early.
+    assert {automatic_threshold_bytes(ranks, 1) for ranks in (1, 2, 8, 64)} == {32 * KIB}
+    # Across nodes each bucket pays 2 (p - 1) latencies: the threshold grows with p, up to 16 MiB.
+    across = [automatic_threshold_bytes(ranks, nodes) for ranks, nodes in
+              ((2, 2), (4, 2), (8, 8), (16, 4), (32, 32), (1024, 64))]
+    assert across == [1 * MIB, 2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB, 16 * MIB]
+
+
+def test_a_threshold_the_user_sets_replaces_the_automatic_one(monkeypatch):
+    monkeypatch.delenv("TNT_FUSION_THRESHOLD", raising=False)
+    assert config.fusion_threshold_bytes() is None
+    for kilobytes, expected in (("0", 0), ("64", 65536), ("1.5", 1536)):
+        monkeypatch.setenv("TNT_FUSION_THRESHOLD", kilobytes)
+        assert config.fusion_threshold_bytes() == expected
+    monkeypatch.setenv("TNT_FUSION_THRESHOLD", "big")
+    with pytest.raises(ValueError, match="TNT_FUSION_THRESHOLD='big' is not a number of kilobytes; set it to a "
+                                         "number >= 0[.]"):
+        config.fusion_threshold_bytes()

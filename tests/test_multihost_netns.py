@@ -19,7 +19,7 @@ from conftest import WORKERS, assert_ok, launcher_command, quiet_env, run_python
 from netns_hosts import namespace_hosts, network_namespace_of
 
 HOSTS = 3
-CASES = "mlp-adam,wide-mlp-adam"  # the wide MLP's 1 MiB gradients take the ring allreduce
+CASES = "mlp-adam,wide-mlp-adam"  # the wide MLP's gradients, 1 MB in one bucket, take the ring allreduce
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +50,9 @@ def test_a_job_over_three_namespace_hosts_trains_like_serial_keras(hosts, tmp_pa
     namespaces = set()
     for rank in range(HOSTS):
         line = next(l for l in process.stdout.splitlines() if l.startswith(f"rank {rank}: "))
-        # MPI sees one rank per node (no shared memory), and the -x variable arrived
-        assert line.endswith(" GREETING=from the launcher node ranks 1"), line
+        # MPI sees one rank per node (no shared memory), the -x variable arrived, and the fusion
+        # threshold is the one for 3 nodes (512 KiB per rank), not one node's 32 KiB
+        assert line.endswith(" GREETING=from the launcher node ranks 1 fusion threshold 1572864"), line
         namespaces.add(line.split()[2])
     own = network_namespace_of()
     assert len(namespaces) == HOSTS and own not in namespaces, "each rank runs in its own host's namespace"

@@ -3,11 +3,14 @@ its straggler, and the report's advice on synthetic events."""
 
 import json
 import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
-from conftest import WORKERS, assert_ok, launch, launcher_command, run_python
-from tarantella import timeline, timeline_report
+from conftest import WORKERS, assert_ok, launch, launcher_command, quiet_env, run_python
+from tarantella import timeline, timeline_projection, timeline_report
 from tarantella.runtime.kinds import Collective
 
 RANKS = 3
@@ -160,11 +163,95 @@ def test_a_rank_that_computes_longer_is_named_as_a_slow_host():
     assert "a slow host: rank 1" in report
 
 
-def test_one_process_without_the_launcher_writes_a_trace_of_one_rank(tmp_path):
-    process = run_python(WORKERS / "timeline.py", "steady", tmp_path, env={"TNT_TIMELINE": str(tmp_path / "t.json")},
+def test_projection_from_a_multi_rank_trace_reads_each_buckets_ready_time_and_bytes(tmp_path):
+    step = {"pid": 0, "cat": "step", "name": "train step", "ph": "X"}
+    events = [dict(step, ts=1_000_000, dur=300_000), dict(step, ts=2_000_000, dur=320_000)]
+    for start in (1_000_000, 2_000_000):
+        events += [{"pid": 0, "name": "hand-over of bucket 0", "ph": "i", "ts": start + 100_000},
+                   {"pid": 0, "name": "hand-over of bucket 1", "ph": "i", "ts": start + 250_000}]
+    events += [{"pid": 0, "cat": "gradients", "ph": "X", "name": "allreduce", "ts": 0, "dur": 1,
+                "args": {"bucket": b, "bytes": n}} for b, n in ((0, 4_000_000), (1, 1_000_000))]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    compute, buckets = timeline_projection.schedule_from_trace(str(trace))
+    assert compute == pytest.approx(0.25)
+    assert buckets == [(pytest.approx(0.1), 4_000_000), (pytest.approx(0.25), 1_000_000)]
+    # 2 ranks, no latency, 1 GB/s: the ring moves 2 (p-1)/p s bytes: 4 ms and 1 ms; bucket 0 ends at
+    # 104 ms, bucket 1 at 251 ms: the step is 251 ms, efficiency 0.25 / 0.251.
+    result = timeline_projection.project(compute, lambda p: buckets, [2], 0.0, 1e9)
+    assert result[2]["tarantella"][0] == pytest.approx(0.251)
+    assert result[2]["tarantella"][1] == pytest.approx(0.25 / 0.251)
+    # One bucket after backprop: 250 ms + 5 ms.
+    assert result[2]["one bucket"][0] == pytest.approx(0.255)
+
+
+def test_the_projection_costs_buckets_with_the_reducers_own_ring_cut_over():
+    from tarantella.runtime import reducer
+    assert timeline_projection.RING_MIN_BYTES == reducer._RING_MIN_BYTES
+
+
+def _timeline_command(*args):
+    script = pathlib.Path(sys.executable).with_name("tarantella-timeline")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "tarantella.timeline_picture"]
+    return subprocess.run(command + [str(a) for a in args], capture_output=True, text=True, env=quiet_env(),
+                          timeout=120)
+
+
+def test_a_traced_step_is_projected_to_many_ranks_from_its_own_buckets(steady_run, tmp_path):
+    _, trace, facts = steady_run
+    traced_path = tmp_path / "trace.json"
+    traced_path.write_text(json.dumps(trace))
+    per_step = len([b for b in _slices(trace, 0, "bucket ")]) // facts["fit_steps"]
+    fast, slow = tmp_path / "fast.json", tmp_path / "slow.json"
+    for link, path in (((0, 1e6), fast), ((50, 0.001), slow)):
+        process = _timeline_command(traced_path, "--project", "--ranks", "2,16,256", "--latency-us", link[0],
+                                    "--gbit", link[1], "--json", path)
+        assert_ok(process)
+        assert "tarantella step ms" in process.stdout
+    fast, slow = json.loads(fast.read_text()), json.loads(slow.read_text())
+    for projected in (fast, slow):
+        for p in ("2", "16", "256"):  # the master's buckets of one step, as the trace has them
+            assert len(projected["buckets"][p]) == per_step
+            assert sum(nbytes for _, nbytes in projected["buckets"][p]) == facts["gradient_bytes"]
+    # A free network costs nothing; on a slow one (1 Mb/s, 50 us) more ranks cost more.
+    assert all(fast["projection"][p]["tarantella"][1] == pytest.approx(1.0) for p in ("2", "16", "256"))
+    efficiency = [slow["projection"][p]["tarantella"][1] for p in ("2", "16", "256")]
+    assert 1.0 > efficiency[0] > efficiency[1] > efficiency[2] > 0
+
+
+@pytest.fixture(scope="module")
+def one_rank_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("one-rank")
+    process = run_python(WORKERS / "timeline.py", "steady", folder, env={"TNT_TIMELINE": str(folder / "t.json")},
                          timeout=300)
     assert_ok(process)
-    trace = json.loads((tmp_path / "t.json").read_text())
+    return process, folder
+
+
+def test_a_one_rank_trace_is_projected_with_the_saved_model_and_the_automatic_threshold(one_rank_run, tmp_path):
+    _, folder = one_rank_run
+    refused = _timeline_command(folder / "t.json", "--project", "--latency-us", "2", "--gbit", "100")
+    assert refused.returncode == 2 and "is a 1-rank trace, which holds no gradient buckets: add --model-file" in \
+        refused.stderr
+    import keras
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1024), keras.layers.Dense(1024),
+                              keras.layers.Dense(10)])
+    model.save(tmp_path / "model.keras")
+    projected = tmp_path / "projected.json"
+    assert_ok(_timeline_command(folder / "t.json", "--project", "--latency-us", "2", "--gbit", "100",
+                                "--model-file", tmp_path / "model.keras", "--ranks", "2,32", "--json", projected))
+    buckets = json.loads(projected.read_text())["buckets"]
+    weights = sum(w.size for w in model.get_weights()) * 4
+    # One rank per node: a 1 MiB threshold at 2 ranks (the 4 MiB kernel alone, the rest fused), 16 MiB
+    # at 32 (all in one bucket).
+    assert all(sum(n for _, n in buckets[p]) == weights for p in ("2", "32"))
+    assert [n for _, n in buckets["2"]] == [1024 * 1024 * 4, weights - 1024 * 1024 * 4]
+    assert len(buckets["32"]) == 1
+
+
+def test_one_process_without_the_launcher_writes_a_trace_of_one_rank(one_rank_run):
+    process, folder = one_rank_run
+    trace = json.loads((folder / "t.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {0}
-    assert len(_slices(trace, 0, "training step")) == json.loads((tmp_path / "facts.json").read_text())["fit_steps"]
+    assert len(_slices(trace, 0, "training step")) == json.loads((folder / "facts.json").read_text())["fit_steps"]
     assert "tarantella timeline:" in process.stdout and "Straggler" not in process.stdout

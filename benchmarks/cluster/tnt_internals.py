@@ -8,6 +8,8 @@ settings. Three things have no public form, because they exist for this benchmar
   use_ring(on)                 TNT_ALLREDUCE switched between windows of one job (the setting is
                                read once, at start), so that `tnt` and `tnt-mpi` share the rounds
   ring_allreduce(array)        one bucket through tarantella's own allreduce, for the link probe
+  automatic_threshold_kb()     the fusion threshold tarantella picks for this job where
+                               TNT_FUSION_THRESHOLD is unset (the worker sets it per variant)
 
 When tarantella's modules move, this file is the one to follow them. Each function says, by
 returning False or None, that the internal it needs is gone; the worker then reports the
@@ -66,3 +68,16 @@ def ring_allreduce(array):
         return False
     layout[3](array)
     return True
+
+
+def automatic_threshold_kb():
+    """(KiB, nodes): tarantella's own fusion threshold for this job's ranks and nodes, or None."""
+    try:
+        from tarantella.backends import fusion
+        from tarantella.runtime import world
+    except ImportError:
+        return None
+    if not hasattr(fusion, "automatic_threshold_bytes") or not hasattr(world.node_share(), "nodes"):
+        return None
+    nodes = world.node_share().nodes
+    return fusion.automatic_threshold_bytes(world.init().size, nodes) / 1024, nodes

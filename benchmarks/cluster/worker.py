@@ -3,7 +3,8 @@ backend KERAS_BACKEND names (TensorFlow by default; JAX and PyTorch too), traini
 model in several variants that live side by side in this one process, each its own model
 traced once:
 
-  tnt          tarantella as it is (the fusion threshold scaled by the byte scale)
+  tnt          tarantella as it is: its automatic fusion threshold for this job's ranks and
+               nodes (or TNT_FUSION_THRESHOLD where the job sets it), scaled by the byte scale
   tnt-mpi      the same model with TNT_ALLREDUCE=mpi (switched between windows)
   one-bucket   a fusion threshold larger than the model: one bucket, handed over after backprop
   fusion-KB    another fusion threshold (nominal KiB, scaled like the default)
@@ -77,7 +78,15 @@ def main():
     rank, size = tnt.get_rank(), tnt.get_size()
     profile = profile_model.load(args.profile)
     features, labels = profile_model.data(MICRO_BATCH * size)
-    default_kb = float(os.environ.get("TNT_FUSION_THRESHOLD", "32"))
+    automatic = tnt_internals.automatic_threshold_kb()
+    nodes = None if automatic is None else automatic[1]
+    if os.environ.get("TNT_FUSION_THRESHOLD"):
+        default_kb = float(os.environ["TNT_FUSION_THRESHOLD"])
+    elif automatic is not None:
+        default_kb = automatic[0]
+    else:
+        raise SystemExit("cluster worker: this tarantella has no automatic fusion threshold; "
+                         "set TNT_FUSION_THRESHOLD for the tnt variant")
 
     models, plans, batches = {}, {}, {}
     for label in args.variants.split(","):
@@ -120,7 +129,7 @@ def main():
 
     switchable = tnt_internals.use_ring(True)
     reply({"ready": True, "ranks": size, "thresholds_kb": plans, "backend": keras.backend.backend(),
-           "hosts": sorted(set(world.allgather(socket.gethostname()))), "ring_cut_over_scaled": scaled_ring,
+           "hosts": sorted(set(world.allgather(socket.gethostname()))), "nodes": nodes, "ring_cut_over_scaled": scaled_ring,
            "allreduce_switchable": switchable})
     while True:
         command = commands.readline().split()

@@ -56,4 +56,15 @@ def for_model(communicator, reducer, model):
     Returns:
         a `Step`.
     """
-    return step_class()(communicator, reducer, model, config.fusion_threshold_bytes())
+    return step_class()(communicator, reducer, model, fusion_threshold_bytes())
+
+
+def fusion_threshold_bytes():
+    """The smallest gradient bucket: TNT_FUSION_THRESHOLD where the user set it, else the automatic
+    one for this job's ranks and nodes (`fusion.automatic_threshold_bytes`), the same on every rank."""
+    chosen = config.fusion_threshold_bytes()
+    if chosen is not None:
+        return chosen
+    from tarantella.backends import fusion
+    from tarantella.runtime import world
+    return fusion.automatic_threshold_bytes(world.init().size, world.node_share().nodes)

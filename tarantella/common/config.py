@@ -29,8 +29,9 @@ SAVED_AND_STOPPED_STATUS = 75
 
 # Every setting a user may give (and the two the command sets for itself), in the documentation's order.
 SETTINGS = {setting.name: setting for setting in (
-    Setting("TNT_FUSION_THRESHOLD", "number", 32, "smallest fused gradient allreduce, in KiB; 0 sends every "
-            "gradient on its own", flag="--fusion-threshold KB", minimum=0, unit="kilobytes"),
+    Setting("TNT_FUSION_THRESHOLD", "number", None, "smallest fused gradient allreduce, in KiB; 0 sends every "
+            "gradient on its own", flag="--fusion-threshold KB", minimum=0, unit="kilobytes",
+            shown_default="32 on one node; across nodes 512 per rank, at most 16384"),
     Setting("TNT_TIMELINE", "file", None, "write a trace of every rank's steps and collectives to this file, and "
             "print a step report after each `fit`", flag="--timeline FILE", shown_default="off"),
     Setting("TNT_OUTPUT_ON_ALL_DEVICES", "boolean", False, "Keras output (progress bars, summary, callback "
@@ -104,15 +105,15 @@ def _number(name, default, minimum, unit):
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
+    # A setting whose default depends on the job (None) has no single value to show as an example.
+    example = "" if default is None else f", e.g. {name}={default:g}"
     try:
         value = float(raw)
     except ValueError:
         raise ValueError(
-            f"{name}={raw!r} is not a number of {unit}; set it to a number >= {minimum:g}, "
-            f"e.g. {name}={default:g}.") from None
+            f"{name}={raw!r} is not a number of {unit}; set it to a number >= {minimum:g}{example}.") from None
     if not math.isfinite(value):  # nan compares false with everything: it would disable the limit
-        raise ValueError(f"{name}={raw!r} must be a finite number of {unit} >= {minimum:g}, e.g. "
-                         f"{name}={default:g}.")
+        raise ValueError(f"{name}={raw!r} must be a finite number of {unit} >= {minimum:g}{example}.")
     if value < minimum:
         raise ValueError(f"{name}={raw!r} must be >= {minimum:g} {unit}.")
     return value
@@ -124,8 +125,10 @@ def _read_number(name):
 
 
 def fusion_threshold_bytes():
-    """Minimum size of one fused gradient allreduce; 0 sends every gradient on its own."""
-    return int(_read_number("TNT_FUSION_THRESHOLD") * 1024)
+    """Minimum size of one fused gradient allreduce the user chose (0 sends every gradient on its own),
+    or None where the job's placement chooses it (`backends.fusion_threshold_bytes`)."""
+    kilobytes = _read_number("TNT_FUSION_THRESHOLD")
+    return None if kilobytes is None else int(kilobytes * 1024)
 
 
 def collective_timeout_s():

@@ -57,7 +57,8 @@ def build_parser():
                         metavar="VAR=VALUE", help="set an environment variable on every rank; repeatable, "
                                                   "order kept")
     parser.add_argument("--fusion-threshold", type=_kilobytes, metavar="KB",
-                        help="smallest fused gradient allreduce in kilobytes (default 32; 0 = no fusion)")
+                        help="smallest fused gradient allreduce in kilobytes (default: 32 on one node, across "
+                             "nodes 512 per rank up to 16384; 0 = no fusion)")
     parser.add_argument("--timeline", metavar="FILE",
                         help="write a trace of every rank's steps and collectives to FILE (Chrome trace-event "
                              "JSON: Perfetto, chrome://tracing), and print a step report per rank after fit")

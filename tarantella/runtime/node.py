@@ -14,10 +14,12 @@ class NodeShare:
         local_rank: this rank's number among the ranks of its node.
         local_size: how many ranks run on the node.
         bound_to_own_cores: whether this rank bound its threads to a share of the node's cores.
+        nodes: how many nodes the job's ranks run on.
     """
     local_rank: int
     local_size: int
     bound_to_own_cores: bool
+    nodes: int = 1
 
 
 def bind_to_own_cores(node_comm, local_rank):

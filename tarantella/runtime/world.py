@@ -88,7 +88,8 @@ def init() -> Communicator:
     local_rank, local_size = node.Get_rank(), node.Get_size()
     bound_to_own_cores = local_size > 1 and config.bind_cores() and bind_to_own_cores(node, local_rank)
     node.Free()
-    _node_share = NodeShare(local_rank, local_size, bound_to_own_cores)
+    nodes = sum(world.allgather(local_rank == 0))
+    _node_share = NodeShare(local_rank, local_size, bound_to_own_cores, nodes)
     side = world.Dup() if world.Get_size() > 1 else None
     _world = Communicator(MPI, world.Dup(), config.collective_timeout_s(), side_comm=side,
                           stall_warning_s=config.stall_warning_s())
