@@ -28,6 +28,9 @@ every variant, one window of --steps timed steps each, the order reversed every 
   compute     the same profile model as plain Keras, no communication: the compute-only step,
               efficiency's numerator
   ddp         (--backend torch) torch DDP over gloo, a peer
+  horovod     Horovod 0.28.1 on Keras 2, a peer: a second job on the same hosts (see Peers)
+  keras2      (named only) the profile model on Keras 2 without Horovod, in Horovod's job: Keras 2's
+              compute-only step
 Per round: efficiency = compute step / step (same link, same round); step / limit, the limit
 being the variant's own schedule's: the compute-only step plus how far the last bucket's ready
 time plus its reduction on that link (measured latency, shaped rate) reaches past backprop.
@@ -35,12 +38,19 @@ Medians over rounds with the interquartile range; a target is judged only when t
 lies on one side of it (benchmarks/scaling.py's rules).
 
 Peers: with --backend torch, the variant `ddp` is torch's DistributedDataParallel (gloo) around
-the same Keras model, in the same job and rounds. Horovod and Keras' DataParallel on JAX are
-not run yet; docs/benchmarks.md says what they need.
+the same Keras model, in the same job and rounds. The variant `horovod` is Horovod 0.28.1, which
+needs Keras 2: a second job (benchmarks/cluster/horovod_worker.py, run by the Python of
+--horovod-venv, which benchmarks/make_horovod_venv.sh builds) on the same hosts and links, under
+the same launcher and mpiexec, started beside tarantella's and driven in the same rounds through
+the same FIFO protocol; it is stopped (SIGSTOP) between its windows, as its background thread
+cycles every millisecond. Its fusion threshold (128 MiB, Horovod's default) is divided by the
+byte scale like tarantella's; its cycle time (1 ms) is a time and stays as it is. Keras'
+DataParallel on JAX is not run yet; docs/benchmarks.md says what it needs.
 
 Commands:
   python benchmarks/emulated_cluster.py run [--models resnet50,transformer_big] [--ranks 2,4,8,16]
       [--links ib,10gbe] [--repeats 5] [--steps 2] [--json FILE] [--plot FILE.png] [--timeline FILE]
+      [--variants tnt,...,horovod] [--horovod-venv DIR]
   python benchmarks/emulated_cluster.py links [--hosts 4]     the unshaped and shaped links' latency and rate
   python benchmarks/emulated_cluster.py profile [--models ...] [--batch 1]   per-layer times on this CPU
   python benchmarks/emulated_cluster.py project (--profile NAME|FILE | --trace TRACE.json --model-file M.keras)
@@ -67,14 +77,21 @@ sys.path.insert(0, HERE)
 import hosts as cluster_hosts  # noqa: E402
 import profile_model  # noqa: E402
 import step_model  # noqa: E402
-from scaling import AGREEMENT, MIN_ROUNDS_TO_JUDGE, summarize, verdict  # noqa: E402
+from scaling import (  # noqa: E402
+    AGREEMENT, DEFAULT_HOROVOD_VENV, MIN_ROUNDS_TO_JUDGE, horovod_missing, horovod_python, summarize, verdict)
 
 WORKER = os.path.join(HERE, "cluster", "worker.py")
+HOROVOD_WORKER = os.path.join(HERE, "cluster", "horovod_worker.py")
 NETPROBE = os.path.join(HERE, "cluster", "netprobe.py")
 MODELS = ("resnet50", "transformer_big", "bert_base", "vgg16")
 DEFAULT_SCALE = 512
 DEFAULT_THRESHOLDS = (32, 8192)  # 32 KiB: tarantella's threshold on one node
-PEERS = ("ddp",)  # variants that are not tarantella: no fusion plan, so no limit or model of their own
+PEERS = ("ddp", "horovod")  # variants that are not tarantella: no fusion plan, so no limit or model of their own
+# The variants of Horovod's job (Keras 2, its own interpreter); keras2 is a baseline, not a peer.
+HOROVOD_LABELS = ("horovod", "keras2")
+# Horovod 0.28.1's fusion threshold (128 MiB since 0.21) in bytes, nominal: divided by the byte
+# scale like tarantella's. Its cycle time (1 ms) is a time, and times are not scaled.
+HOROVOD_FUSION_BYTES = 128 << 20
 START_TIMEOUT_S = 900
 WINDOW_TIMEOUT_S = 300
 # The issue's targets (IB profile, 16 ranks): efficiency, and the step against the own limit.
@@ -104,11 +121,15 @@ class JobFailed(RuntimeError):
 
 
 class Job:
-    """The tarantella job of one model at p ranks over the emulated hosts, driven through FIFOs."""
+    """The tarantella job of one model at p ranks over the emulated hosts, driven through FIFOs; or,
+    with `interpreter` (Horovod's environment's Python) and `worker`, Horovod's job beside it, whose
+    ranks are stopped between windows (`stop_between_windows`)."""
 
     def __init__(self, emulated, ranks, ranks_per_host, model, variants, scale, steps, control, extra_env=(),
-                 backend="tensorflow"):
+                 backend="tensorflow", worker=WORKER, interpreter=None, variables=(), stop_between_windows=False):
         self.control = control
+        self._stop_between_windows = stop_between_windows
+        self._rank_pids = []  # named by the ready message
         self._go = []
         for rank in range(ranks):
             path = os.path.join(control, f"go-{rank}")
@@ -123,8 +144,13 @@ class Job:
         # UCX_TLS=tcp: MPICH's UCX would otherwise move messages between the namespaces through
         # shared memory and cross-memory attach (the "hosts" share one kernel), past the shaped links.
         command = [sys.executable, "-m", "tarantella.launcher", "--hostfile", hostfile, "--no-gpu",
-                   "-n", str(ranks), "-x", "UCX_TLS=tcp", "--", WORKER, "--profile", model, "--scale", repr(scale),
-                   "--variants", ",".join(variants), "--steps", str(steps), "--control", control]
+                   "-n", str(ranks), "-x", "UCX_TLS=tcp"]
+        for name, value in variables:
+            command += ["-x", f"{name}={value}"]
+        if interpreter is not None:
+            command += ["--python-interpreter", interpreter]
+        command += ["--", worker, "--profile", model, "--scale", repr(scale),
+                    "--variants", ",".join(variants), "--steps", str(steps), "--control", control]
         environment = {**os.environ, **emulated.mpi_environment(), **dict(extra_env),
                        "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3", "TNT_COLLECTIVE_TIMEOUT": "900", "TNT_STALL_WARNING": "600",
                        "TNT_START_TIMEOUT": "600", "PYTHONPATH": os.pathsep.join(
@@ -135,6 +161,7 @@ class Job:
                                              start_new_session=True, env=environment)
 
     def send(self, line):
+        self._signal_ranks(signal.SIGCONT)
         for fifo in self._go:
             os.write(fifo, f"{line}\n".encode())
 
@@ -148,7 +175,20 @@ class Job:
             if select.select([self._results], [], [], 0.5)[0]:
                 self._received += os.read(self._results, 1 << 16)
         line, self._received = self._received.split(b"\n", 1)
-        return json.loads(line)
+        message = json.loads(line)
+        if self._stop_between_windows:  # the master answered after its ranks' last collective
+            self._rank_pids = message.get("rank_pids", self._rank_pids)
+            self._signal_ranks(signal.SIGSTOP)
+        return message
+
+    def _signal_ranks(self, signum):
+        if not self._stop_between_windows:
+            return
+        for pid in self._rank_pids:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
 
     def finish(self, timeout_s=120):
         self.send("end")
@@ -158,6 +198,7 @@ class Job:
             pass
 
     def stop(self):
+        self._signal_ranks(signal.SIGCONT)
         if self._process.poll() is None:
             os.killpg(self._process.pid, signal.SIGKILL)
             self._process.wait()
@@ -173,22 +214,55 @@ def variant_labels(thresholds):
     return ["tnt", "tnt-mpi", "one-bucket"] + [f"fusion-{kb:g}" for kb in thresholds] + ["compute"]
 
 
+def horovod_job(emulated, ranks, ranks_per_host, model, labels, scale, steps, control, interpreter):
+    """Horovod's job beside tarantella's (same hosts, links and launcher), started and ready:
+    (job, its ready message). Raises JobFailed where Horovod did not average the gradients."""
+    control = os.path.join(control, "horovod")
+    os.mkdir(control)
+    variables = [("HOROVOD_FUSION_THRESHOLD", str(max(1, int(HOROVOD_FUSION_BYTES / scale))))]
+    job = Job(emulated, ranks, ranks_per_host, model, labels, scale, steps, control, worker=HOROVOD_WORKER,
+              interpreter=interpreter, variables=variables, stop_between_windows=True)
+    try:
+        ready = job.receive(START_TIMEOUT_S)
+        if ready["ranks"] != ranks:
+            raise JobFailed(f"Horovod's job runs {ready['ranks']} ranks, not {ranks}")
+        check = ready["allreduce_check"]
+        if check is not None and not check["ok"]:
+            raise JobFailed(f"Horovod did not average the gradients: {check}\n{job.tail()}")
+    except BaseException:
+        job.stop()
+        raise
+    return job, ready
+
+
 def measure(model, ranks, ranks_per_host, links, labels, scale, repeats, steps, scratch, timeline=None,
-            backend="tensorflow"):
+            backend="tensorflow", horovod_interpreter=None):
     """Every window of one model at `ranks` ranks: {link: {label: [window, ...]}}, the probes and the
-    job's facts."""
+    jobs' facts. Horovod's labels go to a job of their own, started after tarantella's is ready."""
     hosts_count = max(2, -(-ranks // ranks_per_host))
     control = tempfile.mkdtemp(prefix=f"{model}-{ranks}-", dir=scratch)
     started = time.monotonic()
+    horovod_labels = [label for label in labels if label in HOROVOD_LABELS]
     with cluster_hosts.EmulatedHosts(hosts_count, control) as emulated:
         extra = [("TNT_TIMELINE", timeline)] if timeline else []
-        job = Job(emulated, ranks, ranks_per_host, model, labels, scale, steps, control, extra, backend)
+        job = Job(emulated, ranks, ranks_per_host, model, [label for label in labels if label not in HOROVOD_LABELS],
+                  scale, steps, control, extra, backend)
+        runners, horovod = [job], None  # the jobs; Horovod's ready message
         try:
             ready = job.receive(START_TIMEOUT_S)
             if ready["ranks"] != ranks:
                 raise JobFailed(f"the job runs {ready['ranks']} ranks, not {ranks}")
             start_s = time.monotonic() - started
             log(f"{model} at {ranks} ranks on {len(ready['hosts'])} hosts: ready after {start_s:.0f} s")
+            if horovod_labels:
+                horovod_runner, horovod = horovod_job(emulated, ranks, ranks_per_host, model, horovod_labels, scale,
+                                                      steps, control, horovod_interpreter)
+                runners.append(horovod_runner)
+                horovod["start_seconds"] = time.monotonic() - started - start_s
+                check = horovod["allreduce_check"]
+                log(f"Horovod's job ready after {horovod['start_seconds']:.0f} s more"
+                    + ("" if check is None else f"; gradients averaged: local {check['local_gradients']}, "
+                       f"every rank's weight {check['weights'][0]:.4g} (expected {check['expected_weight']:.4g})"))
             probes, windows = {}, {link: {label: [] for label in labels} for link in links}
             for link in links:
                 emulated.shape(cluster_hosts.PROFILES[link].shaped_rate_bit(scale))
@@ -199,20 +273,29 @@ def measure(model, ranks, ranks_per_host, links, labels, scale, repeats, steps, 
                 for link in link_order:
                     emulated.shape(cluster_hosts.PROFILES[link].shaped_rate_bit(scale))
                     for label in (labels if repeat % 2 == 0 else labels[::-1]):
-                        job.send(f"window {label}")
-                        window = job.receive(WINDOW_TIMEOUT_S)
+                        runner = runners[-1] if label in HOROVOD_LABELS else job
+                        runner.send(f"window {label}")
+                        window = runner.receive(WINDOW_TIMEOUT_S)
                         if "unavailable" in window:
                             raise JobFailed(f"{label}: {window['unavailable']}")
+                        if window.get("weights_agree") is False:
+                            raise JobFailed(f"{label}: the ranks' weights differ after a window")
                         windows[link][label].append(window)
                 log(f"[{model} p={ranks} round {repeat + 1}/{repeats}] " + "; ".join(
                     f"{link}: " + " ".join(f"{label} {windows[link][label][-1]['median_step_seconds'] * 1e3:.0f}"
                                            for label in labels) for link in links) + " ms")
-            job.finish()
+            for runner in runners:
+                runner.finish()
         finally:
-            job.stop()
-    return {"windows": windows, "probes": probes, "hosts": len(ready["hosts"]), "start_seconds": start_s,
-            "thresholds_kb": ready["thresholds_kb"], "backend": ready.get("backend"),
-            "seconds": time.monotonic() - started}
+            for runner in runners:
+                runner.stop()
+    facts = {"windows": windows, "probes": probes, "hosts": len(ready["hosts"]), "start_seconds": start_s,
+             "thresholds_kb": ready["thresholds_kb"], "backend": ready.get("backend"),
+             "seconds": time.monotonic() - started}
+    if horovod is not None:
+        facts["horovod"] = {key: horovod[key] for key in ("allreduce_check", "fusion_threshold_bytes", "cycle_time_ms",
+                                                          "versions", "start_seconds", "hosts")}
+    return facts
 
 
 # -- analysis -----------------------------------------------------------------------------
@@ -243,7 +326,7 @@ def analyze(model, ranks, measured, scale):
             cpu = [w.get("cpu_seconds_per_step") for w in windows]
             if None not in cpu:  # the master's CPU time per step, times p ranks, over the machine's cores
                 row["machine_busy"] = statistics.median(c * ranks / (os.cpu_count() * t) for c, t in zip(cpu, steps))
-            if label in PEERS:
+            if label in PEERS or label in HOROVOD_LABELS:
                 row.update(efficiency=summarize([c / s for c, s in zip(compute, steps)]),
                            efficiency_per_round=[c / s for c, s in zip(compute, steps)])
             elif label != "compute":
@@ -378,6 +461,29 @@ def print_probes(results):
                       + ("(no probe)" if probe["ring_s"] is None else f"{probe['ring_s'] * 1e3:.2f} ms"))
 
 
+def print_horovod(results):
+    """Horovod's job per configuration: its settings and the check that it averaged the gradients."""
+    lines = []
+    for model, by_p in results.items():
+        for p, result in by_p.items():
+            facts = result["measured"].get("horovod")
+            if facts is None:
+                continue
+            check = facts["allreduce_check"]
+            lines.append(f"  {model} p={p}: Horovod {facts['versions']['horovod']} (TensorFlow "
+                         f"{facts['versions']['tensorflow']}, Keras {facts['versions']['keras']}), fusion threshold "
+                         f"{facts['fusion_threshold_bytes']} B, cycle time "
+                         f"{facts['cycle_time_ms'] or 'default (1)'} ms, ready {facts['start_seconds']:.0f} s after "
+                         "tarantella's job"
+                         + ("" if check is None else f"; one step from zero: local gradients "
+                            f"{', '.join(f'{g:.4g}' for g in check['local_gradients'])}, every rank's weight "
+                            f"{check['weights'][0]:.4g} = -rate x their mean "
+                            f"({'checked' if check['ok'] else 'NOT SO'})"))
+    if lines:
+        print("\nHorovod's job (the horovod variant):")
+        print("\n".join(lines))
+
+
 def plot(results, links, labels, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -420,8 +526,19 @@ def command_run(args):
     links = args.links.split(",")
     thresholds = [float(kb) for kb in args.thresholds.split(",")] if args.thresholds else list(DEFAULT_THRESHOLDS)
     labels = variant_labels(thresholds) if not args.variants else args.variants.split(",")
+    if not args.variants:  # Horovod where its environment is built, as benchmarks/scaling.py does
+        if horovod_python(args.horovod_venv) is not None:
+            labels.insert(labels.index("compute"), "horovod")
+        else:
+            log(f"horovod variant skipped: {horovod_missing(args.horovod_venv)}")
     if "compute" not in labels:
         labels.append("compute")
+    horovod_interpreter = None
+    if any(label in HOROVOD_LABELS for label in labels):
+        horovod_interpreter = horovod_python(args.horovod_venv)
+        if horovod_interpreter is None:
+            sys.exit(f"emulated_cluster: cannot time {', '.join(l for l in labels if l in HOROVOD_LABELS)}: "
+                     f"{horovod_missing(args.horovod_venv)}")
     for name, chosen, known in (("model", models, MODELS), ("link", links, cluster_hosts.PROFILES)):
         unknown = [item for item in chosen if item not in known and not (name == "model" and item.endswith(".json")
                                                                           and os.path.exists(item))]
@@ -437,7 +554,7 @@ def command_run(args):
                 for p in ranks:
                     measured = measure(model, p, args.ranks_per_host, links, labels, args.scale, args.repeats,
                                        args.steps, scratch, args.timeline if p == ranks[-1] else None,
-                                       args.backend)
+                                       args.backend, horovod_interpreter)
                     results.setdefault(model, {})[str(p)] = {
                         "measured": measured, "analysis": analyze(model, p, measured, args.scale)}
                     if args.json:  # after every configuration: a run cut short keeps what it measured
@@ -454,6 +571,7 @@ def command_run(args):
     print_summary(results, links, labels)
     print_model_error(results)
     print_probes(results)
+    print_horovod(results)
     lines = judge(results)
     if lines:
         print("\nTargets (IQR rule, at least "
@@ -575,7 +693,11 @@ def build_parser():
                      help=f"byte scale: gradient sizes, thresholds and link rates divided by it (default {DEFAULT_SCALE})")
     run.add_argument("--thresholds", help="the two extra fusion thresholds, nominal KiB (default "
                      + ",".join(f"{kb:g}" for kb in DEFAULT_THRESHOLDS) + ")")
-    run.add_argument("--variants", help="time only these labels (compute is always timed)")
+    run.add_argument("--variants", help="time only these labels (compute is always timed); without it, every "
+                     "tarantella variant, and horovod where --horovod-venv has Horovod; keras2 only where named")
+    run.add_argument("--horovod-venv", metavar="DIR", default=DEFAULT_HOROVOD_VENV,
+                     help="the environment benchmarks/make_horovod_venv.sh built, whose Python runs the horovod "
+                          "and keras2 variants (default: .venv-horovod in the repository)")
     run.add_argument("--repeats", type=int, default=5, help="interleaved rounds (default 5)")
     run.add_argument("--steps", type=int, default=2, help="timed steps per window (default 2)")
     run.add_argument("--json", metavar="FILE.json", help="write every window and the analysis")
@@ -620,6 +742,7 @@ def main():
         print_summary(run["results"], run["links"], run["labels"])
         print_model_error(run["results"])
         print_probes(run["results"])
+        print_horovod(run["results"])
         lines = judge(run["results"])
         if lines:
             print("\nTargets:\n" + "\n".join(lines))

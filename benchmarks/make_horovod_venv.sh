@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Builds the virtual environment in which benchmarks/scaling.py runs its `horovod` variant:
+# Builds the virtual environment in which benchmarks/scaling.py and benchmarks/emulated_cluster.py
+# run their `horovod` variants:
 # Horovod 0.28.1 (which does not support Keras 3) on TensorFlow 2.15 with Keras 2, compiled
 # against the same MPICH wheel, at the same version, as tarantella's environment, so that both
 # run on one MPI under one mpiexec.
 #
 #   bash benchmarks/make_horovod_venv.sh [VENV]
 #
-# VENV defaults to .venv-horovod in the repository, scaling.py's default --horovod-venv.
+# VENV defaults to .venv-horovod in the repository, the scripts' default --horovod-venv.
 # TARANTELLA_PYTHON (default: the repository's .venv/bin/python, else python3) names the
 # interpreter whose mpich wheel sets the version; PYTHON (default python3, 3.9 to 3.11, as
 # TensorFlow 2.15 requires) makes the new environment. Needs a C++ compiler (apt-get install g++).

@@ -1,8 +1,10 @@
 """The pieces of benchmarks/emulated_cluster.py: the step model's arithmetic on a known schedule,
 the profile model's stages and schedule, the profile model's waits and gradients on every Keras
-backend, the projection from a trace, the shaped link's measured rate, and a 2-host emulated run
-of a tiny profile model for a few steps (the last two need root, `ip` and `tc`; skipped otherwise;
-the 2-host run also needs TNT_CLUSTER_TESTS=1, as it takes about a minute)."""
+backend and on Keras 2 (Horovod's environment, benchmarks/make_horovod_venv.sh: .venv-horovod in
+the repository or HOROVOD_VENV; skipped where it is absent), the projection from a trace, the
+shaped link's measured rate, and 2-host emulated runs of a tiny profile model for a few steps,
+one of them with Horovod's job beside tarantella's (these need root, `ip` and `tc`; skipped
+otherwise; the 2-host runs also need TNT_CLUSTER_TESTS=1, as each takes about a minute)."""
 
 import importlib.util
 import json
@@ -21,6 +23,16 @@ sys.path.insert(0, str(BENCHMARKS / "cluster"))
 import hosts as cluster_hosts  # noqa: E402
 import profile_model  # noqa: E402
 import step_model  # noqa: E402
+
+HOROVOD_VENV = pathlib.Path(os.environ.get("HOROVOD_VENV", BENCHMARKS.parent / ".venv-horovod"))
+HOROVOD_PYTHON = HOROVOD_VENV / "bin" / "python"
+
+
+def horovod_python_or_skip():
+    if not (HOROVOD_VENV / "bin" / "horovodrun").exists():
+        pytest.skip(f"no Horovod environment at {HOROVOD_VENV} (bash benchmarks/make_horovod_venv.sh; or set "
+                    "HOROVOD_VENV)")
+    return str(HOROVOD_PYTHON)
 
 
 def test_allreduce_costs_follow_the_textbook_formulas():
@@ -97,23 +109,35 @@ TINY_PROFILE = {"model": "tiny", "batch": 1, "parameters": 3 * 262144 + 1024, "d
      "backward_s": 0.008} for i in range(3)]}
 
 
-def test_a_two_host_emulated_run_measures_every_variant(tmp_path):
+def skip_without_the_emulated_cluster():
     problem = cluster_hosts.available()
     if problem:
         pytest.skip(f"the emulated cluster {problem}")
     if os.environ.get("TNT_CLUSTER_TESTS") != "1":
         pytest.skip("set TNT_CLUSTER_TESTS=1 to run 2 ranks over emulated hosts (about a minute)")
     pytest.importorskip("mpi4py")
+
+
+def run_tiny_profile(tmp_path, variants, *options):
+    """emulated_cluster.py run of the tiny profile at 2 ranks on 10gbe, 2 rounds: (the process,
+    the 2-rank result from its --json file)."""
     profile_path = tmp_path / "tiny.json"
     profile_path.write_text(json.dumps(TINY_PROFILE))
     out = tmp_path / "run.json"
     process = subprocess.run(
         [sys.executable, str(BENCHMARKS / "emulated_cluster.py"), "run", "--models", str(profile_path),
          "--ranks", "2", "--links", "10gbe", "--repeats", "2", "--steps", "2", "--scale", "64",
-         "--variants", "tnt,one-bucket,compute", "--json", str(out)],
-        capture_output=True, text=True, timeout=240)
+         "--variants", variants, "--json", str(out), *options],
+        capture_output=True, text=True, timeout=300)
     assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
-    result = json.loads(out.read_text())["results"][str(profile_path)]["2"]
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.count(
+        cluster_hosts.PREFIX) == 0, "the run left namespaces behind"
+    return process, json.loads(out.read_text())["results"][str(profile_path)]["2"]
+
+
+def test_a_two_host_emulated_run_measures_every_variant(tmp_path):
+    skip_without_the_emulated_cluster()
+    _, result = run_tiny_profile(tmp_path, "tnt,one-bucket,compute")
     assert result["measured"]["hosts"] == 2
     rows = result["analysis"]["10gbe"]
     compute = rows["compute"]["step"]["median"]
@@ -131,8 +155,28 @@ def test_a_two_host_emulated_run_measures_every_variant(tmp_path):
     assert rows["one-bucket"]["limit"]["median"] - compute > 0.0025
     probe = result["measured"]["probes"]["10gbe"]
     assert 0 < probe["sendrecv_s"] < 0.05 and probe["ring_s"] > 0
-    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.count(
-        cluster_hosts.PREFIX) == 0, "the run left namespaces behind"
+
+
+def test_a_two_host_emulated_run_times_horovod_beside_tarantella(tmp_path):
+    skip_without_the_emulated_cluster()
+    horovod_python_or_skip()
+    process, result = run_tiny_profile(tmp_path, "tnt,horovod,keras2,compute", "--horovod-venv", str(HOROVOD_VENV))
+    rows = result["analysis"]["10gbe"]
+    for label in ("tnt", "horovod", "keras2"):
+        assert len(rows[label]["per_round"]) == 2
+        assert rows[label]["step"]["median"] >= 0.036  # the profile's compute
+        assert 0 < rows[label]["efficiency"]["median"] <= 1.2
+    assert "limit" not in rows["horovod"]  # a peer: no fusion plan of tarantella's
+    facts = result["measured"]["horovod"]
+    # Horovod's default fusion threshold, 128 MiB, divided by the byte scale.
+    assert facts["fusion_threshold_bytes"] == str((128 << 20) // 64)
+    assert facts["versions"]["horovod"] == "0.28.1" and facts["versions"]["keras"].startswith("2.")
+    # The ranks' local gradients differ (their own rows), and one step left every rank with -rate x
+    # their mean: Horovod averaged them.
+    check = facts["allreduce_check"]
+    assert check["ok"] and check["ranks_differ"]
+    assert check["weights"] == pytest.approx([-0.01 * sum(check["local_gradients"]) / 2] * 2, rel=1e-4)
+    assert "tnt step / horovod step" in process.stdout
 
 
 TWO_STAGES = {"model": "two", "batch": 1, "parameters": 0, "device": "made up", "layers": [
@@ -154,21 +198,28 @@ model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)  # traced and 
 waits = []
 profile_model.on_wait = lambda what, seconds: waits.append([what[0], what[1], seconds])
 model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)
-print(json.dumps({"backend": keras.backend.backend(), "waits": waits,
+print(json.dumps({"backend": keras.backend.backend(), "keras": keras.__version__, "waits": waits,
                   "weights": [np.asarray(w).tolist() for w in model.get_weights()]}))
 """
 
 
-@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch", "keras2"])
 def test_the_profile_model_waits_in_backprop_order_and_makes_real_gradients(backend):
-    if importlib.util.find_spec(backend) is None:
+    """On every Keras 3 backend, and on Keras 2 (tf.keras of TensorFlow 2.15) in Horovod's
+    environment, where the horovod variant runs it: the same waits, weights and gradients."""
+    python = sys.executable
+    if backend == "keras2":
+        python = horovod_python_or_skip()
+    elif importlib.util.find_spec(backend) is None:
         pytest.skip(f"{backend} is not installed")
-    process = subprocess.run([sys.executable, "-c", CHECK_ONE_STEP, str(BENCHMARKS / "cluster"),
-                              json.dumps(TWO_STAGES)], capture_output=True, text=True, timeout=120,
-                             env={**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    environment = {**os.environ, "KERAS_BACKEND": "tensorflow" if backend == "keras2" else backend,
+                   "TF_CPP_MIN_LOG_LEVEL": "3"}
+    process = subprocess.run([python, "-c", CHECK_ONE_STEP, str(BENCHMARKS / "cluster"), json.dumps(TWO_STAGES)],
+                             capture_output=True, text=True, timeout=120, env=environment)
     assert process.returncode == 0, process.stderr[-3000:]
     result = json.loads(process.stdout.strip().splitlines()[-1])
-    assert result["backend"] == backend
+    assert result["backend"] == ("tensorflow" if backend == "keras2" else backend)
+    assert result["keras"].startswith("2." if backend == "keras2" else "3.")
     # One training step (the second: the first may call the model once more to build Keras' loss):
     # each stage's forward, then the backward passes in reverse order, each for its profile time.
     assert result["waits"] == [["stage0", "forward", 0.003], ["stage1", "forward", 0.002],

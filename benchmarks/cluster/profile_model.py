@@ -13,6 +13,10 @@ the real model would produce them, and tarantella's buckets, worker, ring and MP
 The waiting is a sleep: it takes no CPU, so 16 ranks fit on 2 cores.
 
 The stage's activations are a (batch, 4) float32 tensor: what travels between ranks is gradients only.
+
+Nothing here imports Keras or a framework before `build` is called, and `build` runs on Keras 3
+(TensorFlow, JAX or PyTorch) and on Keras 2 (tf.keras of TensorFlow 2.15, in Horovod's
+environment: benchmarks/cluster/horovod_worker.py), with the same TensorFlow stage for both.
 """
 
 import functools
@@ -177,7 +181,7 @@ def build(profile, scale, time_factor=1.0):
                           for index, size in enumerate(sizes)]
 
         def call(self, x):
-            return apply(self, x, [w.value for w in self.parts])
+            return apply(self, x, [_read(w) for w in self.parts])
 
         def compute_output_shape(self, shape):
             return shape
@@ -191,6 +195,13 @@ def build(profile, scale, time_factor=1.0):
 
 
 build_tensorflow = build  # the name the first version had
+
+
+def _read(variable):
+    """A weight's current value: Keras 3's variables hold it as `.value`, Keras 2's (tf.Variable)
+    return it from `.value()`."""
+    value = variable.value
+    return value() if callable(value) else value
 
 
 def data(global_batch, steps=8):

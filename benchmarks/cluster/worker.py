@@ -18,7 +18,7 @@ traced once:
 The ring's 1 MiB cut-over is divided by the byte scale too, so each bucket takes the algorithm
 its nominal size would (tnt_internals.py: the one place that reaches past the public API).
 Commands arrive one line at a time on the FIFO <control>/go-<rank>; the master answers each
-with one JSON line on <control>/results:
+with one JSON line on <control>/results (protocol.py, which horovod_worker.py shares):
 
   window LABEL   one untimed step (the ranks fall in step), then --steps timed steps of LABEL
   probe          the link as MPI sees it: an 8-byte Sendrecv round with both ring neighbours,
@@ -26,8 +26,6 @@ with one JSON line on <control>/results:
   end            leave
 """
 
-import argparse
-import json
 import os
 import socket
 import statistics
@@ -42,33 +40,16 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import profile_model  # noqa: E402
+import protocol  # noqa: E402
 import tnt_internals  # noqa: E402
 
-MICRO_BATCH = 2
+MICRO_BATCH = protocol.MICRO_BATCH
 ONE_BUCKET_KB = 1 << 30
 
 
-class StepTimer(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.seconds = []
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._started = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seconds.append(time.perf_counter() - self._started)
-
-
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--profile", required=True)
-    parser.add_argument("--scale", type=float, required=True, help="byte scale: sizes and thresholds divided by it")
-    parser.add_argument("--variants", required=True, help="comma-separated labels (see the docstring)")
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--control", required=True)
+    parser = protocol.parser()
     parser.add_argument("--probe-bytes", type=int, default=1 << 16)
-    parser.add_argument("--time-factor", type=float, default=1.0)
     args = parser.parse_args()
 
     import tarantella as tnt
@@ -119,22 +100,14 @@ def main():
         batches[label] = batches[base] = batch
     os.environ["TNT_FUSION_THRESHOLD"] = repr(default_kb / args.scale)
 
-    commands = open(os.path.join(args.control, f"go-{rank}"))
-    results = open(os.path.join(args.control, "results"), "w") if rank == 0 else None
-
-    def reply(message):
-        if results is not None:
-            results.write(json.dumps(message) + "\n")
-            results.flush()
-
+    control = protocol.Control(args.control, rank)
+    reply = control.reply
     switchable = tnt_internals.use_ring(True)
     reply({"ready": True, "ranks": size, "thresholds_kb": plans, "backend": keras.backend.backend(),
            "hosts": sorted(set(world.allgather(socket.gethostname()))), "nodes": nodes, "ring_cut_over_scaled": scaled_ring,
            "allreduce_switchable": switchable})
     while True:
-        command = commands.readline().split()
-        if not command:
-            raise SystemExit("cluster worker: the command FIFO closed")
+        command = control.command()
         if command[0] == "end":
             break
         if command[0] == "probe":
@@ -146,14 +119,9 @@ def main():
             continue
         tnt_internals.use_ring(label != "tnt-mpi")
         world.Barrier()
-        timer = StepTimer()
-        cpu = time.process_time()
-        models[label].fit(features, labels, batch_size=batches[label], epochs=1, steps_per_epoch=1 + args.steps,
-                          shuffle=False, verbose=0, callbacks=[timer])
-        cpu = (time.process_time() - cpu) / (1 + args.steps)
-        timed = timer.seconds[1:]
-        reply({"label": label, "median_step_seconds": statistics.median(timed), "steps": timed,
-               "cpu_seconds_per_step": cpu})
+        reply(protocol.timed_window(label, lambda steps, callbacks: models[label].fit(
+            features, labels, batch_size=batches[label], epochs=1, steps_per_epoch=steps, shuffle=False, verbose=0,
+            callbacks=callbacks), args.steps, keras))
 
 
 class DdpTrainer:
