@@ -166,8 +166,9 @@ def step_report(by_rank, offsets, hosts, fusion_threshold_bytes=None):
                ("waiting", "waiting for the slowest rank")]
     means = [{key: statistics.fmean(row[key] for row in rows[:steps]) / 1e6 for key in
               ("step", "compute", "input", "unhidden", "waiting")} for rows in breakdown]
+    threshold = "" if fusion_threshold_bytes is None else f"; fusion threshold {fusion_threshold_bytes / 1024:g} KB"
     lines = [f"tarantella timeline: {steps} training steps on {len(breakdown)} rank(s) (the first, which traces, "
-             "left out); ms per step (% of the step)",
+             f"left out){threshold}; ms per step (% of the step)",
              f"{'rank':<6}{'step':>9}" + "".join(f"  {title:>{max(len(title), 14)}}" for _, title in columns)]
     for rank, mean in enumerate(means):
         cells = [_ms_and_share(mean[key], mean["step"]).rjust(max(len(title), 14)) for key, title in columns]
