@@ -299,9 +299,11 @@ class Worker:
             environment["PYTHONPATH"] = os.pathsep.join(
                 filter(None, [variant.tarantella_folder, os.environ.get("PYTHONPATH")]))
         with open(self._log_path, "w") as log:
-            # A session of its own, so that stop() ends the launcher and its ranks together.
+            # A session of its own, so that stop() ends the launcher and its ranks together. In the
+            # control folder, not the repository: `-m` and the ranks put the working folder first
+            # on the path, where the repository's tarantella would hide a revision's.
             self._process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=True, env=environment)
+                                             start_new_session=True, env=environment, cwd=self.control)
 
     def send(self, command):
         self._signal_ranks(signal.SIGCONT)
@@ -402,6 +404,9 @@ def _run_process_set(model, variants, rounds, repeats, steps, warmup, scratch, w
             if source is not None and os.path.realpath(ready[label]["tarantella_folder"]) != os.path.realpath(source):
                 raise WorkerFailed(f"{workers[label].name} imported tarantella from "
                                    f"{ready[label]['tarantella_folder']}, not from its revision's {source}.")
+            if ready[label].get("foreign_modules"):
+                raise WorkerFailed(f"{workers[label].name} mixed tarantella's modules: "
+                                   f"{', '.join(ready[label]['foreign_modules'])} not from {ready[label]['tarantella_folder']}.")
             if ready[label]["ranks"] != variant.ranks:  # e.g. ranks that each found an MPI of their own
                 raise WorkerFailed(f"{workers[label].name} runs as {ready[label]['ranks']} rank(s), not "
                                    f"{variant.ranks}.")

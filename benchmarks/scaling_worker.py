@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before TensorFlow loads
@@ -386,6 +387,11 @@ def main():
     # of step. On JAX every variant's step is jitted (its collectives are callbacks inside it).
     jit_compile = False if keras.backend.backend() == "tensorflow" else "auto"
     model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"], jit_compile=jit_compile)
+    if tarantella_folder is not None:  # every module of tarantella from one checkout (--against)
+        ready["foreign_modules"] = sorted(
+            module.__file__ for name, module in sys.modules.items()
+            if name.split(".")[0] == "tarantella" and getattr(module, "__file__", None)
+            and not os.path.realpath(module.__file__).startswith(os.path.realpath(tarantella_folder) + os.sep))
     ready.update(parameters=parameters, global_batch_size=global_batch_size, ranks=ranks,
                  tarantella_folder=tarantella_folder)
     callbacks.append(WindowedTimer(args, rank, is_master, communicator, ready))
