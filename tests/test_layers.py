@@ -19,7 +19,7 @@ LAYERS = [
         "tarantella.optimizers"]),
     ("model", ["tarantella.model", "tarantella.models", "tarantella.callbacks", "tarantella.saving"]),
     ("resilience and observability", ["tarantella.backups", "tarantella.timeline", "tarantella.timeline_report",
-                                      "tarantella.timeline_picture"]),
+                                      "tarantella.timeline_picture", "tarantella.timeline_projection"]),
     # The package and rank.py, which puts the layers together when tarantella is imported.
     ("public API", ["tarantella", "tarantella.rank"]),
 ]
