@@ -16,9 +16,12 @@ micro-batch and the state with every metric variable at zero, and while it is tr
 4. the metric state the step returns holds the rank's increments: they are summed over ranks (a Mean
    fed one scalar per step weighted by the share) and added to the state before; the logs it
    returns are read again from that global state, and any other number becomes its share-weighted
-   sum (custom_logs.py).
+   sum (custom_logs.py);
+5. keras.random's draws for the rank's rows (latent vectors, a VAE's epsilon) are its rows of serial
+   Keras' draws for the global batch (batch_draws.py).
 
-A rank without samples steps on one zero row, sends zeros and keeps its non-trainable state.
+A rank without samples steps on one zero row, sends zeros and keeps its non-trainable weights; its
+seed generators advance as every rank's (rows.py).
 """
 
 import contextlib
@@ -29,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import io_callback
 
 from tarantella.backends import custom_logs, metric_sums
-from tarantella.backends.rows import at_least_one_row
+from tarantella.backends.rows import at_least_one_row, non_trainable_after_step
 from tarantella.runtime.kinds import Collective
 
 
@@ -60,8 +63,7 @@ def _run(step, model, kind, step_function, leading_state, metric_state, data):
     *new_leading, increments = new_state
     metric_state, logs = _global_metrics_and_logs(step, watched, sequence, metric_state, increments, logs,
                                                   share, samples > 0)
-    if samples == 0:
-        new_leading[1] = leading_state[1]  # the non-trainable state, which the zero row must not change
+    new_leading[1] = non_trainable_after_step(model, samples, leading_state[1], new_leading[1])
     return logs, (*new_leading, metric_state)
 
 
@@ -73,6 +75,7 @@ def _global_step(step, model, watched, sequence, samples, global_samples, share)
             stack.enter_context(custom_logs.instance_override(
                 optimizer, "stateless_apply", _summed_apply(step, optimizer, sequence, share, samples > 0)))
         stack.enter_context(step._global_loss_terms(sequence, samples, global_samples))
+        stack.enter_context(step._serial_draws(samples, global_samples))
         stack.enter_context(step._refused_moments())
         yield
 
