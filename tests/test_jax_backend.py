@@ -10,7 +10,8 @@ summed losses of tests/workers/real_models.py on 2 ranks, callbacks with saving 
 (tests/workers/callbacks_and_saving.py), and a restart from an automatic backup.
 The default slice also trains on a parallel interleave of TFRecord files and a shuffled PyDataset
 (tests/workers/backend_inputs.py), and runs the public collectives and a custom loop outside jitted
-code (tests/workers/backend_collectives.py), on 2 ranks.
+code (tests/workers/backend_collectives.py), on 2 ranks; keras.random's draws in a custom step are
+serial Keras' (tests/workers/serial_draws.py, one process playing the ranks).
 TNT_BACKEND_TESTS=1 adds every case on 2 ranks, the uneven cases, the masked, weighted and
 summed losses and synchronized BatchNormalization (conv nets) on 3 ranks, the saved conv net on 1
 and 3 ranks, every file source,
@@ -155,6 +156,15 @@ def test_features_missing_on_jax_are_refused_on_every_rank(feature, named):
     assert sorted(refusals) == [0, 1], process.stdout[-2000:]
     for refusal in refusals.values():
         assert named in refusal and "JAX backend" in refusal, refusal
+
+
+def test_random_draws_for_a_ranks_rows_in_a_custom_step_are_its_rows_of_the_serial_draw_on_jax():
+    """keras.random's draws of k*m rows in an overridden step (a GAN's latent vectors and noisy labels,
+    a VAE's epsilon) are the rank's rows of serial Keras' draw of k*B, jitted with B traced as in the
+    step; tests/first_contact/gan_jax.py and vae_jax.py train with them (TNT_FIRST_CONTACT=all)."""
+    process = run_python(WORKERS / "serial_draws.py", env=JAX, timeout=300)
+    assert_ok(process)
+    assert "serial draws ok" in process.stdout
 
 
 def test_the_jax_step_runs_on_cpus_and_gpus_and_refuses_other_platforms_naming_the_way_out():

@@ -184,6 +184,11 @@ def test_synchronized_batch_normalization_calls_the_backend_moments_tarantella_r
     assert process.returncode == 0 and "checked" in process.stdout, process.stdout[-2000:] + process.stderr[-3000:]
 
 
+# tarantella/backends/batch_draws.py replaces the shaped draws of keras.src.backend.<backend>.random on JAX
+# and torch: tests/workers/serial_draws.py (run by test_jax_backend.py and test_torch_backend.py) checks first
+# that keras.random still calls them, and that JAX's draws depend on their position alone.
+
+
 # tarantella/data/keras_batches.py hands arrays, PyDatasets and DataLoaders to Keras' own adapters and
 # relies on how Keras' trainers drive them; each backend runs in its own process.
 _KERAS_BATCHES_ON_BACKEND = """

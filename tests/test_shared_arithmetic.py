@@ -54,3 +54,19 @@ def test_a_batch_without_rows_becomes_one_zero_row_and_a_batch_with_rows_stays()
     assert keras.backend.standardize_dtype(zero_y.dtype) == "int32" and zero_y.shape == (1,)
     data, samples = rows.at_least_one_row((np.ones((3, 4, 2)), np.ones(3)))
     assert samples == 3 and data[0].shape == (3, 4, 2)
+
+
+def test_a_rank_without_samples_keeps_its_non_trainable_weights_and_advances_its_seed_generators():
+    """The JAX and torch steps of a rank without samples keep BatchNormalization's moving statistics
+    (its zero row would move them) but take its seed generators' new states: every rank draws alike."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization(), keras.layers.Dropout(0.5)])
+    variables = model.non_trainable_variables
+    seeds = [i for i, v in enumerate(variables) if "seed_generator" in v.path]
+    assert len(seeds) == 1 and len(variables) == 3, [v.path for v in variables]
+    before = [keras.ops.convert_to_numpy(v) for v in variables]
+    after = [value + 1 for value in before]
+    without = rows.non_trainable_after_step(model, 0, before, after)
+    for i, value in enumerate(without):
+        np.testing.assert_array_equal(value, after[i] if i in seeds else before[i], err_msg=variables[i].path)
+    with_samples = rows.non_trainable_after_step(model, 2, before, after)
+    assert all(np.array_equal(value, new) for value, new in zip(with_samples, after))

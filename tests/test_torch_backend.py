@@ -14,7 +14,8 @@ families against serial Keras-on-torch; TNT_ZOO_CASES=all TNT_ZOO_BACKEND=torch 
 tests/test_zoo.py runs the whole zoo on torch). tests/workers/backend_inputs.py trains on file
 sources (the TFRecord and text-line pipelines of tests/test_file_sources.py), PyDatasets and NumPy
 arrays; the public collectives run on NumPy arrays and keras.Variables
-(tests/workers/backend_collectives.py). TNT_BACKEND_TESTS=1 runs the whole matrix: every case of
+(tests/workers/backend_collectives.py); keras.random's draws in a custom step are serial Keras'
+(tests/workers/serial_draws.py, one process playing the ranks). TNT_BACKEND_TESTS=1 runs the whole matrix: every case of
 tests/workers/train_cases.py that torch can run on 2 ranks and the uneven-split ones on 3, and every
 input case on 2 and 3 ranks. Skipped where torch is not installed; PyPI's torch wheel brings 4 GB of CUDA
 libraries, so install the CPU wheel:
@@ -110,6 +111,15 @@ def test_features_missing_on_torch_are_refused_on_every_rank(feature, named):
     assert sorted(refusals) == [0, 1], process.stdout[-2000:]
     for refusal in refusals.values():
         assert named in refusal and "PyTorch backend" in refusal, refusal
+
+
+def test_random_draws_for_a_ranks_rows_in_a_custom_step_are_its_rows_of_the_serial_draw_on_torch():
+    """keras.random's draws of k*m rows in an overridden step (a GAN's latent vectors and noisy labels,
+    a VAE's epsilon) are the rank's rows of serial Keras' draw of k*B; tests/first_contact/gan_torch.py
+    and vae_torch.py train with them (TNT_FIRST_CONTACT=all)."""
+    process = run_python(WORKERS / "serial_draws.py", env=TORCH, timeout=300)
+    assert_ok(process)
+    assert "serial draws ok" in process.stdout
 
 
 @pytest.mark.skipif(not mnist_installed(),

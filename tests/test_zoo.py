@@ -11,10 +11,12 @@ training mode, a layer that sums over the batch): their bound is the measured di
 and docs/guide.md ("Models") quotes it.
 
 The zoo runs on each Keras backend, the serial reference on the same one (KERAS_BACKEND in the
-worker's environment). TNT_ZOO_BACKEND=jax (or torch, tensorflow) picks one backend;
-TNT_ZOO_CASES=all runs every case there, TNT_ZOO_CASES=a,b the ones named, and unset the
+worker's environment). TNT_ZOO_BACKEND=jax (or torch, tensorflow, a list such as jax,torch, or all) picks the backends;
+TNT_ZOO_CASES=all runs every case there, TNT_ZOO_CASES=a,b the ones named, and unset each
 backend's quick slice (DEFAULT_CASES). The whole zoo on one backend:
     TNT_ZOO_CASES=all TNT_ZOO_BACKEND=jax python -m pytest -q tests/test_zoo.py
+and the whole zoo and every first-contact script on every backend, in one command (docs/testing.md):
+    TNT_ZOO_CASES=all TNT_ZOO_BACKEND=all TNT_FIRST_CONTACT=all python -m pytest -q tests/test_zoo.py tests/test_first_contact.py
 With TNT_ZOO_BACKEND unset the zoo runs on TensorFlow and, when TNT_ZOO_CASES is unset too (the
 default test run), adds the JAX slice (skipped where jax is not installed). The torch slice runs
 in tests/test_torch_backend.py, the torch test command. A case whose feature tnt.Model refuses
@@ -159,13 +161,17 @@ def installed(backend):
 
 
 def zoo_backends():
-    """TNT_ZOO_BACKEND=name: that backend only. Unset: TensorFlow, and with TNT_ZOO_CASES unset
-    (the default run) also the JAX slice."""
+    """TNT_ZOO_BACKEND=name, a comma-separated list of names, or all: those backends (one not installed
+    is reported as skipped). Unset: TensorFlow, and with TNT_ZOO_CASES unset (the default run) also
+    the JAX slice."""
     chosen = os.environ.get("TNT_ZOO_BACKEND")
     if chosen:
-        if chosen not in BACKENDS:
-            raise ValueError(f"TNT_ZOO_BACKEND={chosen!r}: choose one of {', '.join(BACKENDS)}")
-        return (chosen,)
+        names = BACKENDS if chosen == "all" else tuple(chosen.split(","))
+        unknown = [name for name in names if name not in BACKENDS]
+        if unknown:
+            raise ValueError(f"TNT_ZOO_BACKEND={chosen!r}: {', '.join(unknown)} is no backend; choose among "
+                             f"{', '.join(BACKENDS)}, or all")
+        return names
     return ("tensorflow",) if os.environ.get("TNT_ZOO_CASES") else ("tensorflow", "jax")
 
 
@@ -179,9 +185,9 @@ def ranks_of(case, backend):
 
 def selected_cases(backend):
     """TNT_ZOO_CASES=name,name runs only those cases, =all every case; unset, the backend's
-    DEFAULT_CASES. TNT_ZOO_CASES applies to the backend TNT_ZOO_BACKEND names, or to TensorFlow."""
+    DEFAULT_CASES. TNT_ZOO_CASES applies to the backends TNT_ZOO_BACKEND names, or to TensorFlow."""
     wanted = os.environ.get("TNT_ZOO_CASES")
-    if wanted and backend != os.environ.get("TNT_ZOO_BACKEND", "tensorflow"):
+    if wanted and backend not in zoo_backends():
         wanted = None
     if wanted == "all":
         return list(CASES)

@@ -29,3 +29,29 @@ def at_least_one_row(data):
     if samples > 0:
         return data, samples
     return keras.tree.map_structure(lambda leaf: zero_row(leaf) if is_batched(leaf) else leaf, data), 0
+
+
+def non_trainable_after_step(model, samples, before, after):
+    """The values of `model.non_trainable_variables` after a step on the rank's `samples` rows that
+    took them from `before` to `after` (JAX's stateless step). A rank without samples keeps its
+    non-trainable weights as they were (BatchNormalization's moving statistics, which its zero row
+    would move) and takes the rest: its seed generators' states advance as every rank's do, by one per
+    draw, so that later draws stay alike on every rank (backends/batch_draws.py)."""
+    if samples:
+        return list(after)
+    kept = _kept_without_samples(model)
+    return [old if id(variable) in kept else new
+            for variable, old, new in zip(model.non_trainable_variables, before, after)]
+
+
+def restore_without_samples(model, before):
+    """After a step in place (torch's) on a rank without samples: the non-trainable weights take back
+    their values `before` the step, as in `non_trainable_after_step`."""
+    kept = _kept_without_samples(model)
+    for variable, value in zip(model.non_trainable_variables, before):
+        if id(variable) in kept:
+            variable.assign(value)
+
+
+def _kept_without_samples(model):
+    return {id(weight) for weight in model.non_trainable_weights}

@@ -6,8 +6,8 @@ micro-batch and the state with every metric variable at zero, and while it is tr
 
 1. the step opens with the sum of the ranks' sample counts m, the global batch size B, and agrees on
    its sequence of collectives (as the built-in step);
-2. every optimizer the model holds sums the gradients given to its `stateless_apply` over the
-   ranks before the update, each rank's weighted by its share m/B (the loss the user differentiated
+2. every optimizer the model holds sums the gradients given to its `stateless_apply` (or to `apply`
+   and `apply_gradients` in a StatelessScope of the step's own) over the ranks before the update, each rank's weighted by its share m/B (the loss the user differentiated
    is a mean over the micro-batch, as `compute_loss` and Keras' losses give). Each sum is one round
    of fused buckets (gradient_sums.py), fenced between ordered callbacks, so a step with several
    optimizers (or ones applied twice) sums them in the order it traced them;
@@ -16,9 +16,12 @@ micro-batch and the state with every metric variable at zero, and while it is tr
 4. the metric state the step returns holds the rank's increments: they are summed over ranks (a Mean
    fed one scalar per step weighted by the share) and added to the state before; the logs it
    returns are read again from that global state, and any other number becomes its share-weighted
-   sum (custom_logs.py).
+   sum (custom_logs.py);
+5. keras.random's draws for the rank's rows (latent vectors, a VAE's epsilon) are its rows of serial
+   Keras' draws for the global batch (batch_draws.py).
 
-A rank without samples steps on one zero row, sends zeros and keeps its non-trainable state.
+A rank without samples steps on one zero row, sends zeros and keeps its non-trainable weights; its
+seed generators advance as every rank's (rows.py).
 """
 
 import contextlib
@@ -29,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import io_callback
 
 from tarantella.backends import custom_logs, metric_sums
-from tarantella.backends.rows import at_least_one_row
+from tarantella.backends.rows import at_least_one_row, non_trainable_after_step
 from tarantella.runtime.kinds import Collective
 
 
@@ -60,8 +63,7 @@ def _run(step, model, kind, step_function, leading_state, metric_state, data):
     *new_leading, increments = new_state
     metric_state, logs = _global_metrics_and_logs(step, watched, sequence, metric_state, increments, logs,
                                                   share, samples > 0)
-    if samples == 0:
-        new_leading[1] = leading_state[1]  # the non-trainable state, which the zero row must not change
+    new_leading[1] = non_trainable_after_step(model, samples, leading_state[1], new_leading[1])
     return logs, (*new_leading, metric_state)
 
 
@@ -70,25 +72,42 @@ def _global_step(step, model, watched, sequence, samples, global_samples, share)
     with contextlib.ExitStack() as stack:
         stack.enter_context(watched.installed())
         for optimizer in custom_logs.model_optimizers(model):
-            stack.enter_context(custom_logs.instance_override(
-                optimizer, "stateless_apply", _summed_apply(step, optimizer, sequence, share, samples > 0)))
+            stateless_apply, apply = _summed_updates(step, optimizer, sequence, share, samples > 0)
+            stack.enter_context(custom_logs.instance_override(optimizer, "stateless_apply", stateless_apply))
+            stack.enter_context(custom_logs.instance_override(optimizer, "apply", apply))
         stack.enter_context(step._global_loss_terms(sequence, samples, global_samples))
+        stack.enter_context(step._serial_draws(samples, global_samples))
         stack.enter_context(step._refused_moments())
         yield
 
 
-def _summed_apply(step, optimizer, sequence, share, contributes):
-    original = optimizer.stateless_apply
+def _summed_updates(step, optimizer, sequence, share, contributes):
+    """The optimizer's `stateless_apply` and `apply`, each summing the gradients over ranks once: a step
+    may call either, `apply` inside a StatelessScope of its own; Keras' `stateless_apply` calls `apply`,
+    which then passes its gradients on as they are. A LossScaleOptimizer's `stateless_apply` calls its
+    inner optimizer's, which is not replaced."""
+    original_stateless_apply, original_apply = optimizer.stateless_apply, optimizer.apply
+    summing = []
 
-    def stateless_apply(optimizer_variables, grads, trainable_variables):
+    def summed(grads):
         weighted = [None if g is None else g * share.astype(g.dtype) for g in grads]
         present = [i for i, g in enumerate(weighted) if g is not None]
-        summed = step._bucket_sum.fenced([weighted[i] for i in present], contributes, sequence=sequence)
-        for i, total in zip(present, summed):
+        totals = step._bucket_sum.fenced([weighted[i] for i in present], contributes, sequence=sequence)
+        for i, total in zip(present, totals):
             weighted[i] = total
-        return original(optimizer_variables, weighted, trainable_variables)
+        return weighted
 
-    return stateless_apply
+    def stateless_apply(optimizer_variables, grads, trainable_variables):
+        summing.append(True)
+        try:
+            return original_stateless_apply(optimizer_variables, summed(grads), trainable_variables)
+        finally:
+            summing.pop()
+
+    def apply(grads, trainable_variables=None):
+        return original_apply(grads if summing else summed(grads), trainable_variables)
+
+    return stateless_apply, apply
 
 
 def _global_metrics_and_logs(step, watched, sequence, metric_state, increments, logs, share, contributes):

@@ -50,7 +50,8 @@ Predictions are gathered outside the jitted step (`wrap_function`): the size of 
 global batch is not known to the trace, and a gather needs it for its result's shape.
 
 A rank without samples (a global batch smaller than the number of ranks) runs the step on one
-zero row and contributes exact zeros; it keeps its non-trainable state as it was.
+zero row and contributes exact zeros; it keeps its non-trainable weights as they were, and its seed
+generators advance as every rank's (rows.py).
 """
 
 import contextlib
@@ -64,10 +65,12 @@ from jax.experimental import io_callback
 # Keras' JAX backend computes BatchNormalization's moments here, and refuses synchronized=True;
 # tests/test_keras_internals.py checks that the layer still calls it.
 from keras.src.backend.jax import nn as keras_jax_nn
+# Keras' JAX backend draws keras.random's numbers here (batch_draws.py replaces its shaped draws).
+from keras.src.backend.jax import random as keras_jax_random
 
-from tarantella.backends import custom_logs, loop_gradients, loss_terms, metric_sums, moments
+from tarantella.backends import batch_draws, custom_logs, loop_gradients, loss_terms, metric_sums, moments
 from tarantella.backends.base import Step
-from tarantella.backends.rows import at_least_one_row
+from tarantella.backends.rows import at_least_one_row, non_trainable_after_step
 from tarantella.backends.jax import custom_step
 from tarantella.backends.jax import devices as jax_devices
 from tarantella.backends.jax import gradient_sums
@@ -189,8 +192,7 @@ class JaxStep(Step):
         trainable, optimizer_state = model.optimizer.stateless_apply(optimizer_state, grads, trainable)
         _, increments = model._update_metrics_variables(increments, unscaled_loss, x, y, y_pred, sample_weight)
         metric_state = self._add_global_increments(sequence, metric_state, increments, samples > 0, after=summed)
-        if samples > 0:
-            non_trainable = new_non_trainable
+        non_trainable = non_trainable_after_step(model, samples, non_trainable, new_non_trainable)
         return self._logs(metric_state), (trainable, non_trainable, optimizer_state, metric_state)
 
     def test(self, state, data):
@@ -208,8 +210,7 @@ class JaxStep(Step):
                 trainable, non_trainable, zeroed, x, y, sample_weight, training=False)
         _, increments = model._update_metrics_variables(increments, unscaled_loss, x, y, y_pred, sample_weight)
         metric_state = self._add_global_increments(sequence, metric_state, increments, samples > 0)
-        if samples > 0:
-            non_trainable = new_non_trainable
+        non_trainable = non_trainable_after_step(model, samples, non_trainable, new_non_trainable)
         return self._logs(metric_state), (trainable, non_trainable, metric_state)
 
     def predict(self, state, data):
@@ -298,6 +299,13 @@ class JaxStep(Step):
             yield
         finally:
             keras_jax_nn.moments = original
+
+    def _serial_draws(self, samples, global_samples):
+        """While a custom step is traced: draws for the rank's rows are serial Keras' draws for the
+        global batch (batch_draws.py). B is traced; JAX's threefry numbers depend on their position
+        alone, so the rank draws r + p*m rows per block, as many as B can have, and keeps its own."""
+        rank, size = self._comm.rank, self._comm.size
+        return batch_draws.serial_draws(keras_jax_random, samples, rank, size, global_samples, rank + size * samples)
 
     def _refused_moments(self):
         """While a custom step runs: synchronized BatchNormalization refused, on every rank."""

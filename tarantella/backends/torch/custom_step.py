@@ -15,11 +15,14 @@ micro-batch with every metric variable at zero, and while it runs:
 4. afterwards the metric state holds the rank's increments: they are summed over ranks (a Mean fed
    one scalar per step weighted by the share) and added to the state before; the logs the step
    returned are read again from the global state, and any other number becomes its share-weighted
-   sum (custom_logs.py).
+   sum (custom_logs.py);
+5. keras.random's draws for the rank's rows (latent vectors, a VAE's epsilon, a GAN's noisy labels)
+   are its rows of serial Keras' draws for the global batch (batch_draws.py).
 
 The opening cannot know what the step will do (how many rounds, which logs), so every collective
 after it carries its own agreement message: ranks whose steps differ fail with a clear error.
-A rank without samples steps on one zero row, sends zeros and keeps its non-trainable state.
+A rank without samples steps on one zero row, sends zeros and keeps its non-trainable weights; its
+seed generators advance as every rank's (rows.py).
 """
 
 import contextlib
@@ -29,7 +32,7 @@ import numpy as np
 import torch
 
 from tarantella.backends import custom_logs, loop_gradients, metric_sums
-from tarantella.backends.rows import at_least_one_row
+from tarantella.backends.rows import at_least_one_row, restore_without_samples
 from tarantella.runtime.kinds import Collective
 
 
@@ -53,11 +56,11 @@ def run(step, kind, data):
             stack.enter_context(custom_logs.instance_override(
                 optimizer, "apply", _summed_apply(step, optimizer, share, samples > 0)))
         stack.enter_context(step._global_loss_terms(samples, global_samples))
+        stack.enter_context(step._serial_draws(samples, global_samples))
         stack.enter_context(step._refused_moments())
         logs = model.train_step(data) if kind == "train" else model.test_step(data)
     if kept is not None:
-        for variable, value in zip(model.non_trainable_variables, kept):
-            variable.assign(value)
+        restore_without_samples(model, kept)
     return _global_logs(step, watched, metric_variables, before, logs, share, samples > 0)
 
 

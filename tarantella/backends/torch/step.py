@@ -34,7 +34,8 @@ with its own agreement message.
 
 Predictions are gathered inside the (eager) predict step: every rank returns all rows in
 sample order. A rank without samples (a global batch smaller than the number of ranks) runs
-the step on one zero row, contributes exact zeros and keeps its non-trainable state.
+the step on one zero row, contributes exact zeros and keeps its non-trainable weights; its seed
+generators advance as every rank's (rows.py).
 """
 
 import contextlib
@@ -45,10 +46,12 @@ import torch
 # Keras' torch backend computes BatchNormalization's moments here, and refuses synchronized=True;
 # tests/test_keras_internals.py checks that the layer still calls it.
 from keras.src.backend.torch import nn as keras_torch_nn
+# Keras' torch backend draws keras.random's numbers here (batch_draws.py replaces its shaped draws).
+from keras.src.backend.torch import random as keras_torch_random
 
-from tarantella.backends import custom_logs, fusion, loop_gradients, loss_terms, metric_sums, moments
+from tarantella.backends import batch_draws, custom_logs, fusion, loop_gradients, loss_terms, metric_sums, moments
 from tarantella.backends.base import Step
-from tarantella.backends.rows import at_least_one_row
+from tarantella.backends.rows import at_least_one_row, restore_without_samples
 from tarantella.backends.tensorflow import devices as tensorflow_devices
 from tarantella.backends.torch import custom_step
 from tarantella.backends.torch import devices as torch_devices
@@ -160,8 +163,7 @@ class TorchStep(Step):
         finally:
             self._round = None
         if kept is not None:
-            for variable, value in zip(model.non_trainable_variables, kept):
-                variable.assign(value)
+            restore_without_samples(model, kept)
         return self._global_metrics(metric_variables, state_before, samples > 0)
 
     def test(self, data):
@@ -197,6 +199,12 @@ class TorchStep(Step):
     def _refused_moments(self):
         """While a custom step runs: synchronized BatchNormalization refused, on every rank."""
         return custom_logs.refused_synchronized_moments(keras_torch_nn, self.backend_name)
+
+    def _serial_draws(self, samples, global_samples):
+        """While a custom step runs: draws for the rank's rows are serial Keras' draws for the global
+        batch, of which the rank draws all B rows per block (batch_draws.py)."""
+        return batch_draws.serial_draws(keras_torch_random, samples, self._comm.rank, self._comm.size,
+                                        global_samples, global_samples)
 
     def predict(self, data):
         """Every rank's predictions of the global batch, in sample order."""
