@@ -6,9 +6,13 @@ LeNet-5 trains with momentum SGD: with Adam, serial Keras itself moves by 3e-4 b
 1 and 2 threads (Adam scales rounding noise on near-zero gradients up to full steps).
 """
 
+import importlib.util
+import os
+
 import pytest
 
-from conftest import WORKERS, assert_ok, assert_ranks_like_serial, launch, run_python
+from conftest import (WORKERS, assert_accumulation_sums_once_per_cycle, assert_ok, assert_ranks_like_serial, launch,
+                      run_python)
 from workers.train_cases import CASES
 
 WORKER = WORKERS / "train_cases.py"
@@ -16,7 +20,7 @@ WORKER = WORKERS / "train_cases.py"
 # the suite) run the cases whose split depends on the rank count: uneven and tiny batches, a
 # nested input, several steps per execution. One rank is tnt.Model on a single process, which
 # every example's serial run in tests/test_*example*.py exercises.
-UNEVEN_SPLIT_CASES = ["mlp-batch71", "mlp-batch2", "dict-momentum", "mlp-steps-per-execution"]
+UNEVEN_SPLIT_CASES = ["mlp-batch71", "mlp-batch2", "dict-momentum", "mlp-steps-per-execution", "mlp-accumulation"]
 CASES_BY_RANKS = {2: list(CASES), 3: UNEVEN_SPLIT_CASES}
 
 
@@ -35,3 +39,21 @@ def test_ranks_train_like_serial_keras(ranks, serial_dir, scratch):
     cases = CASES_BY_RANKS[ranks]
     assert_ok(launch(ranks, WORKER, "--mode", "tnt", "--out", out, "--cases", ",".join(cases)))
     assert_ranks_like_serial(serial_dir, out, cases, ranks)
+    assert_accumulation_sums_once_per_cycle(serial_dir, out, ranks)
+
+
+@pytest.mark.skipif(os.environ.get("TNT_BACKEND_TESTS") != "1",
+                    reason="one rank of every backend runs with TNT_BACKEND_TESTS=1 (2 and 3 ranks by default)")
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_gradient_accumulation_on_one_rank_is_serial_keras(backend, tmp_path):
+    """Two and three ranks run mlp-accumulation in the matrices of tests/test_equivalence.py,
+    tests/test_jax_backend.py and tests/test_torch_backend.py."""
+    if importlib.util.find_spec(backend) is None:
+        pytest.skip(f"{backend} is not installed")
+    serial, out, env = tmp_path / "serial", tmp_path / "rank", {"KERAS_BACKEND": backend}
+    serial.mkdir()
+    out.mkdir()
+    assert_ok(run_python(WORKER, "--mode", "serial", "--out", serial, "--cases", "mlp-accumulation", env=env))
+    assert_ok(run_python(WORKER, "--mode", "tnt", "--out", out, "--cases", "mlp-accumulation", env=env))
+    assert_ranks_like_serial(serial, out, ["mlp-accumulation"], 1, backend)
+    assert_accumulation_sums_once_per_cycle(serial, out, 1)

@@ -10,8 +10,10 @@ import tensorflow as tf
 # How Keras' trainers build a model from symbolic inputs; tests/test_keras_internals.py checks it.
 from keras.src import backend as keras_backend
 
+from tarantella.backends import accumulation
 from tarantella.data import global_batches, keras_batches, pipelines
 from tarantella.model import checks
+from tarantella.runtime import world
 
 logger = logging.getLogger("tarantella")
 
@@ -162,6 +164,8 @@ class Inputs:
         checks.check_same_compile_settings(self._comm, self)
         checks.check_same_variables_everywhere(self._comm, variables)
         checks.broadcast_from_master(self._comm, variables, "the broadcast of the master's weights")
+        if self._comm.rank != world.MASTER_RANK:  # the master's accumulated gradients count once (accumulation.py)
+            accumulation.zero_accumulators(self._step.locally_accumulating_optimizers())
         self._weights_synced = True
 
     def _use_masters_statistics(self):

@@ -36,7 +36,7 @@ class BucketSum:
         # On the CPU the sum reads and writes XLA's own buffers; a GPU's must be copied.
         self._in_host_memory = jax.default_backend() == "cpu"
 
-    def __call__(self, grads, contributes, sequence=None, after=()):
+    def __call__(self, grads, contributes, sequence=None, after=(), only_if=None):
         """The sum over ranks of `grads` (arrays), and one summed element that later collectives
         take as an input, so that they run after this one (None where nothing was summed).
 
@@ -47,6 +47,8 @@ class BucketSum:
             sequence: the step's list of collectives, which its opening agreed on; None: the
                 round agrees on its own buckets (a custom loop, which has no opening).
             after: arrays the sum receives unread, to run after what computes them.
+            only_if: a traced bool; where False, the round is skipped and `grads` come back as
+                they are (a micro-step of gradient accumulation, backends/accumulation.py).
         """
         wire = [g.astype(fusion.wire_dtype(g.dtype.name)) for g in grads]
         layout = fusion.BucketLayout([g.size for g in wire], [g.dtype.name for g in wire], self._threshold_bytes,
@@ -58,6 +60,8 @@ class BucketSum:
                    for bucket in members]
         # A rank that sends zeros passes its gradients too, unread: they stay after backprop's callbacks.
         waited_for = tuple(after) + (() if contributes else tuple(buckets))
+        if only_if is not None:  # the last input, which the callback reads
+            waited_for += (jnp.asarray(only_if, jnp.bool_),)
         if not contributes:
             buckets = [jnp.zeros_like(b) for b in buckets]
         agreed = sequence is not None
@@ -65,10 +69,12 @@ class BucketSum:
             sequence.append(fusion.round_description(layout.names()))
         specs = [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buckets]
         if self._in_host_memory:
-            summed = buffer_callback(functools.partial(self._sum_in_place, agreed), specs, has_side_effect=True,
+            summed = buffer_callback(functools.partial(self._sum_in_place, agreed, only_if is not None), specs,
+                                     has_side_effect=True,
                                      input_output_aliases={i: i for i in range(len(buckets))})(*buckets, *waited_for)
         else:  # a GPU's buffers: JAX copies the buckets to the host and the sums back
-            summed = io_callback(functools.partial(self._sum_copies, agreed, len(buckets)), specs, *buckets,
+            summed = io_callback(functools.partial(self._sum_copies, agreed, only_if is not None, len(buckets)), specs,
+                                 *buckets,
                                  *waited_for, ordered=True)
         result = list(grads)
         for (_, _, bucket_members), total in zip(layout.buckets, summed):
@@ -86,16 +92,20 @@ class BucketSum:
             _fence(token)
         return summed
 
-    def _sum_in_place(self, agreed, context, sums, *buckets_and_unread):
+    def _sum_in_place(self, agreed, conditional, context, sums, *buckets_and_unread):
         """Sums every bucket over ranks where it lies: each of `sums` is XLA's buffer of its
-        bucket, valid while this runs."""
+        bucket, valid while this runs (`conditional`: unless the last input is False)."""
+        if conditional and not np.asarray(buckets_and_unread[-1]):
+            return
         self.sum_flat([np.asarray(total).reshape(-1) for total in sums], agreed)
 
-    def _sum_copies(self, agreed, count, *buckets_and_unread):
-        """The sums over ranks of the first `count` arrays, host copies of a GPU's buckets."""
+    def _sum_copies(self, agreed, conditional, count, *buckets_and_unread):
+        """The sums over ranks of the first `count` arrays, host copies of a GPU's buckets
+        (`conditional`: unless the last input is False)."""
         buckets = buckets_and_unread[:count]
         sums = [np.array(bucket).reshape(-1) for bucket in buckets]
-        self.sum_flat(sums, agreed)
+        if not conditional or np.asarray(buckets_and_unread[-1]):
+            self.sum_flat(sums, agreed)
         return [total.reshape(np.shape(bucket)) for total, bucket in zip(sums, buckets)]
 
     def sum_flat(self, arrays, agreed=True):
