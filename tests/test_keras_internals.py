@@ -297,3 +297,26 @@ def test_a_held_tensorflow_read_is_not_changed_by_later_updates():
     np.testing.assert_array_equal(in_place, before)
     np.testing.assert_array_equal(np.asarray(held), before)
     assert not np.array_equal(variable.numpy(), before)
+
+
+def test_an_accumulating_optimizer_adds_unscaled_gradients_and_applies_their_mean_as_accumulation_assumes():
+    """backends/accumulation.py: Keras' optimizer decides an update step by (iterations + 1) % k, keeps
+    one accumulator per variable (`_accumulated_gradients[_get_variable_index(v)]`) of gradients
+    divided by `loss_scale_factor`, and on the update step applies (gradient + accumulator) / k."""
+    from tarantella.backends import accumulation
+    variable = keras.Variable(np.zeros(2, "float32"))
+    optimizer = keras.optimizers.SGD(1.0, gradient_accumulation_steps=2, loss_scale_factor=4.0)
+    optimizer.build([variable])
+    assert accumulation.steps(optimizer) == 2
+    assert not accumulation.is_update_step(int(optimizer._iterations.numpy()), 2)
+    optimizer.apply([np.array([4.0, 8.0], "float32")], [variable])
+    [accumulator] = accumulation.accumulators(optimizer, [variable])
+    np.testing.assert_array_equal(accumulator.numpy(), [1.0, 2.0])
+    np.testing.assert_array_equal(variable.numpy(), [0.0, 0.0])
+    assert accumulation.is_update_step(int(optimizer._iterations.numpy()), 2)
+    # What a rank sends on the update step: its gradient and its accumulator in the gradients' scale.
+    sent = np.array([4.0, 4.0], "float32") + np.asarray(accumulation.in_gradient_scale(accumulator.numpy(), optimizer))
+    accumulator.assign(np.zeros(2, "float32"))
+    optimizer.apply([sent], [variable])
+    np.testing.assert_allclose(variable.numpy(), [-1.0, -1.5])  # serially: -([4, 8] / 4 + [4, 4] / 4) / 2
+    np.testing.assert_array_equal(accumulator.numpy(), [0.0, 0.0])
