@@ -180,6 +180,8 @@ class StepState:
         between updates the rank's own gradients, unsummed, and no round."""
         index, summing = self._decision(optimizer)
         present = [i for i, g in enumerate(grads) if g is not None]
+        if not present:
+            return grads
         # Dense, as serial Keras adds them to its accumulators; zeros where the rank has no samples
         # (its zero row's gradients may hold NaN).
         own = [tf.convert_to_tensor(grads[i]) for i in present]
@@ -188,6 +190,7 @@ class StepState:
             with keras.name_scope(optimizer.name, caller=optimizer):
                 optimizer.build(variables)
         accumulators = accumulation.accumulators(optimizer, [variables[i] for i in present])
+
         def summed():
             sent = [g + tf.cast(accumulation.in_gradient_scale(a.value, optimizer), g.dtype)
                     for g, a in zip(own, accumulators)]
