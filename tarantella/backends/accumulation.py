@@ -14,8 +14,8 @@ Inside a cycle the ranks' accumulators differ, and their sum over the ranks is s
 accumulator. At the end of `fit` the master takes that sum and the other ranks zero theirs
 (`gather_on_master`), so a save after `fit` writes serial Keras' state; where every rank takes the
 master's state (the broadcast after compile, set_weights or a load), the other ranks zero theirs
-(`zero_accumulators`). A save or backup inside `fit` in the middle of a cycle holds the master's
-own part of the accumulators only.
+(`zero_accumulators`). A save or backup inside `fit`, or after `train_on_batch`, in the middle of a
+cycle holds the master's own part of the accumulators only.
 """
 
 import keras
