@@ -905,7 +905,8 @@ def _multilabel(keras, np, rng):
 
 _TAPE_ONLY = {backend: f"its train_step(self, data) differentiates with tf.GradientTape: serial Keras-on-{name} "
                        "cannot run it (tarantella runs a custom step written for the backend, "
-                       "tests/first_contact/custom_fit_*.py)" for backend, name in (("jax", "JAX"), ("torch", "PyTorch"))}
+                       "tests/first_contact/custom_fit_*.py)"
+              for backend, name in (("jax", "JAX"), ("torch", "PyTorch"))}
 
 
 @case("distiller-train-step-without-call", ranks=(2, 3), save_load=False, not_on=_TAPE_ONLY)
