@@ -9,10 +9,11 @@ LeNet-5 trains with momentum SGD: with Adam, serial Keras itself moves by 3e-4 b
 import importlib.util
 import os
 
+import numpy as np
 import pytest
 
 from conftest import (WORKERS, assert_accumulation_sums_once_per_cycle, assert_ok, assert_ranks_like_serial, launch,
-                      run_python)
+                      load_npz, run_python)
 from workers.train_cases import CASES
 
 WORKER = WORKERS / "train_cases.py"
@@ -42,8 +43,11 @@ def test_ranks_train_like_serial_keras(ranks, serial_dir, scratch):
     assert_accumulation_sums_once_per_cycle(serial_dir, out, ranks)
 
 
-@pytest.mark.skipif(os.environ.get("TNT_BACKEND_TESTS") != "1",
-                    reason="one rank of every backend runs with TNT_BACKEND_TESTS=1 (2 and 3 ranks by default)")
+BACKEND_TESTS = pytest.mark.skipif(os.environ.get("TNT_BACKEND_TESTS") != "1",
+                                   reason="runs on every backend with TNT_BACKEND_TESTS=1")
+
+
+@BACKEND_TESTS
 @pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
 def test_gradient_accumulation_on_one_rank_is_serial_keras(backend, tmp_path):
     """Two and three ranks run mlp-accumulation in the matrices of tests/test_equivalence.py,
@@ -57,3 +61,22 @@ def test_gradient_accumulation_on_one_rank_is_serial_keras(backend, tmp_path):
     assert_ok(run_python(WORKER, "--mode", "tnt", "--out", out, "--cases", "mlp-accumulation", env=env))
     assert_ranks_like_serial(serial, out, ["mlp-accumulation"], 1, backend)
     assert_accumulation_sums_once_per_cycle(serial, out, 1)
+
+
+@BACKEND_TESTS
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_a_fit_saved_and_loaded_inside_an_accumulation_cycle_goes_on_as_serial_keras(backend, tmp_path):
+    """The ranks' accumulators hold their own parts inside a cycle; at the end of fit the master holds
+    their sum, which the save writes, and after the load every other rank zeroes its copy."""
+    if importlib.util.find_spec(backend) is None:
+        pytest.skip(f"{backend} is not installed")
+    worker, env, ranks = WORKERS / "accumulation_save_load.py", {"KERAS_BACKEND": backend}, 3
+    serial, out = tmp_path / "serial", tmp_path / "ranks"
+    serial.mkdir()
+    out.mkdir()
+    assert_ok(run_python(worker, "--mode", "serial", "--out", serial, env=env))
+    assert_ok(launch(ranks, worker, "--mode", "tnt", "--out", out, env=env))
+    assert_ranks_like_serial(serial, out, ["accumulation-save-load"], ranks, backend)
+    accumulators = load_npz(serial / "accumulation-save-load.accumulators.npz")
+    for key, value in load_npz(out / "accumulation-save-load.accumulators.npz").items():
+        np.testing.assert_allclose(value, accumulators[key], rtol=1e-5, atol=1e-6, err_msg=f"{backend}, {key}")
