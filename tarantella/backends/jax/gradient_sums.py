@@ -74,8 +74,7 @@ class BucketSum:
                                      input_output_aliases={i: i for i in range(len(buckets))})(*buckets, *waited_for)
         else:  # a GPU's buffers: JAX copies the buckets to the host and the sums back
             summed = io_callback(functools.partial(self._sum_copies, agreed, only_if is not None, len(buckets)), specs,
-                                 *buckets,
-                                 *waited_for, ordered=True)
+                                 *buckets, *waited_for, ordered=True)
         result = list(grads)
         for (_, _, bucket_members), total in zip(layout.buckets, summed):
             if len(bucket_members) == 1:
