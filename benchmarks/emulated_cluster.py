@@ -392,7 +392,9 @@ def print_table(results, links, labels, file=sys.stdout):
         for p, result in by_p.items():
             for link in links:
                 for label in labels:
-                    row = result["analysis"][link][label]
+                    row = result["analysis"].get(link, {}).get(label)
+                    if row is None:  # a merged run that did not time this variant or link
+                        continue
                     step = row["step"]
                     cells = [model, p, str(result["measured"]["hosts"]), link, label, str(row.get("buckets", "")),
                              f"{step['median'] * 1e3:.0f} ({step['q1'] * 1e3:.0f}-{step['q3'] * 1e3:.0f})"]
@@ -420,9 +422,14 @@ def print_summary(results, links, labels, file=sys.stdout):
     for model, by_p in results.items():
         for link in links:
             for p, result in sorted(by_p.items(), key=lambda item: int(item[0])):
-                rows = result["analysis"][link]
+                rows = result["analysis"].get(link)
+                if rows is None:
+                    continue
                 cells = [model, link, p, f"{rows['compute']['step']['median'] * 1e3:.0f}"]
                 for label in shown:
+                    if label not in rows:  # a merged run that did not time this variant
+                        cells.append("")
+                        continue
                     eff = rows[label]["efficiency"]
                     cells.append(f"{eff['median']:.2f} ({eff['q1']:.2f}-{eff['q3']:.2f})")
                 busy = rows.get("tnt", {}).get("machine_busy")
@@ -498,8 +505,11 @@ def plot(results, links, labels, path):
             for label in labels:
                 if label == "compute":
                     continue
-                effs = [results[model][p]["analysis"][link][label]["efficiency"] for p in ps]
-                axis.errorbar([int(p) for p in ps], [e["median"] for e in effs],
+                timed = [p for p in ps if label in results[model][p]["analysis"].get(link, {})]
+                if not timed:
+                    continue
+                effs = [results[model][p]["analysis"][link][label]["efficiency"] for p in timed]
+                axis.errorbar([int(p) for p in timed], [e["median"] for e in effs],
                               yerr=[[e["median"] - e["q1"] for e in effs], [e["q3"] - e["median"] for e in effs]],
                               marker="o", capsize=3, label=label)
             axis.set_xscale("log", base=2)
@@ -713,8 +723,8 @@ def build_parser():
     profile.add_argument("--batch", type=int, default=1, help="samples per step (default 1)")
     profile.add_argument("--verbose", action="store_true", help="print every layer's times")
     report = commands.add_parser("report", help="print the tables (and --plot) of a saved `run --json` file")
-    report.add_argument("files", nargs="+", metavar="FILE.json", help="one run, or several measured with the "
-                        "same links and variants (their models and rank counts merged)")
+    report.add_argument("files", nargs="+", metavar="FILE.json", help="one run, or several (their models, rank "
+                        "counts, links and variants merged; a later file's configuration replaces an earlier one's)")
     report.add_argument("--plot", metavar="FILE.png")
     project = commands.add_parser("project", help="model the step at large p from a profile or a trace")
     import projection
@@ -737,6 +747,9 @@ def main():
                 continue
             for model, by_p in loaded["results"].items():
                 run["results"].setdefault(model, {}).update(by_p)
+            # Runs of other variants or links: every one shown, each cell where it was timed.
+            run["labels"] += [label for label in loaded["labels"] if label not in run["labels"]]
+            run["links"] += [link for link in loaded["links"] if link not in run["links"]]
         print_table(run["results"], run["links"], run["labels"])
         print("\nEfficiency per variant (compute-only step / step, median and IQR over rounds):\n")
         print_summary(run["results"], run["links"], run["labels"])
