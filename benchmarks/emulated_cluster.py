@@ -28,6 +28,7 @@ every variant, one window of --steps timed steps each, the order reversed every 
   compute     the same profile model as plain Keras, no communication: the compute-only step,
               efficiency's numerator
   ddp         (--backend torch) torch DDP over gloo, a peer
+  keras-dp    (--backend jax) Keras' DataParallel over JAX's distributed runtime (gloo), a peer
   horovod     Horovod 0.28.1 on Keras 2, a peer: a second job on the same hosts (see Peers)
   keras2      (named only) the profile model on Keras 2 without Horovod, in Horovod's job: Keras 2's
               compute-only step
@@ -44,8 +45,11 @@ needs Keras 2: a second job (benchmarks/cluster/horovod_worker.py, run by the Py
 the same launcher and mpiexec, started beside tarantella's and driven in the same rounds through
 the same FIFO protocol; it is stopped (SIGSTOP) between its windows, as its background thread
 cycles every millisecond. Its fusion threshold (128 MiB, Horovod's default) is divided by the
-byte scale like tarantella's; its cycle time (1 ms) is a time and stays as it is. Keras'
-DataParallel on JAX is not run yet; docs/benchmarks.md says what it needs.
+byte scale like tarantella's; its cycle time (1 ms) is a time and stays as it is. With --backend
+jax, the variant `keras-dp` is Keras' own keras.distribution.DataParallel over JAX's distributed
+runtime (CPU collectives over gloo), in the same job and rounds: the profile model's stages wait on
+each process's rows, and each weight's gradient is averaged with one allreduce of its size, as
+XLA averages a real layer's.
 
 Commands:
   python benchmarks/emulated_cluster.py run [--models resnet50,transformer_big] [--ranks 2,4,8,16]
@@ -86,7 +90,7 @@ NETPROBE = os.path.join(HERE, "cluster", "netprobe.py")
 MODELS = ("resnet50", "transformer_big", "bert_base", "vgg16")
 DEFAULT_SCALE = 512
 DEFAULT_THRESHOLDS = (32, 8192)  # 32 KiB: tarantella's threshold on one node
-PEERS = ("ddp", "horovod")  # variants that are not tarantella: no fusion plan, so no limit or model of their own
+PEERS = ("ddp", "keras-dp", "horovod")  # variants that are not tarantella: no fusion plan, so no limit or model of their own
 # The variants of Horovod's job (Keras 2, its own interpreter); keras2 is a baseline, not a peer.
 HOROVOD_LABELS = ("horovod", "keras2")
 # Horovod 0.28.1's fusion threshold (128 MiB since 0.21) in bytes, nominal: divided by the byte

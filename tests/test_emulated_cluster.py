@@ -179,6 +179,21 @@ def test_a_two_host_emulated_run_times_horovod_beside_tarantella(tmp_path):
     assert "tnt step / horovod step" in process.stdout
 
 
+def test_a_two_host_emulated_run_times_keras_data_parallel_beside_tarantella_on_jax(tmp_path):
+    """The keras-dp peer: Keras' DataParallel over JAX's distributed runtime, in the same job and
+    rounds as tarantella on JAX; its ranks end with the same weights, as replicas must."""
+    skip_without_the_emulated_cluster()
+    pytest.importorskip("jax")
+    _, result = run_tiny_profile(tmp_path, "tnt,keras-dp,compute", "--backend", "jax")
+    assert result["measured"]["backend"] == "jax"
+    rows = result["analysis"]["10gbe"]
+    for label in ("tnt", "keras-dp"):
+        assert len(rows[label]["per_round"]) == 2
+        assert rows[label]["step"]["median"] >= 0.036  # the profile's compute
+        assert 0 < rows[label]["efficiency"]["median"] <= 1.2
+    assert "limit" not in rows["keras-dp"]  # a peer: no fusion plan of tarantella's
+
+
 TWO_STAGES = {"model": "two", "batch": 1, "parameters": 0, "device": "made up", "layers": [
     {"name": "a", "weights": [[40, 3], [3]], "forward_s": 0.003, "backward_s": 0.005},
     {"name": "b", "weights": [[4, 4]], "forward_s": 0.002, "backward_s": 0.007}]}
