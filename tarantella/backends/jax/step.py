@@ -40,9 +40,10 @@ collectives in the same order.
 
 On one node the gradient sum runs after the whole backprop: handing each bucket over as XLA
 computes it measured no faster on 2 ranks sharing 2 cores, where backprop and the allreduce
-compete for the same cores (docs/performance.md, "JAX: buckets as XLA computes them"); across
-nodes, where the link is slower than the cores, it overlaps. Two earlier forms cost more than the ring allreduce itself, for the MLP
-of benchmarks/scaling.py (40 MB of gradients): an `io_callback`, which JAX copies its arguments
+compete for the same cores; across nodes, where the link is slower than the cores, it overlaps
+backprop and won (docs/performance.md, "JAX: buckets as XLA computes them"). Two earlier forms
+of the single sum cost more than the ring allreduce itself, for the MLP of
+benchmarks/scaling.py (40 MB of gradients): an `io_callback`, which JAX copies its arguments
 into with a `device_put` (on a rank bound to a single core that copy waited for XLA's only
 thread, the one blocked in the callback: the job hung, tests/test_jax_backend.py runs such a
 job) and its results out of; then a `buffer_callback` writing into fresh output buffers, whose
