@@ -10,7 +10,9 @@ summed losses of tests/workers/real_models.py on 2 ranks, callbacks with saving 
 (tests/workers/callbacks_and_saving.py), and a restart from an automatic backup.
 The default slice also trains on a parallel interleave of TFRecord files and a shuffled PyDataset
 (tests/workers/backend_inputs.py), and runs the public collectives and a custom loop outside jitted
-code (tests/workers/backend_collectives.py), on 2 ranks.
+code (tests/workers/backend_collectives.py), on 2 ranks, and the gradient buckets handed over
+one by one as XLA computes them against all after backprop (bitwise, on 2 ranks, and in one
+process: what that relies on in jax.experimental.buffer_callback).
 TNT_BACKEND_TESTS=1 adds every case on 2 ranks, the uneven cases, the masked, weighted and
 summed losses and synchronized BatchNormalization (conv nets) on 3 ranks, the saved conv net on 1
 and 3 ranks, every file source,
