@@ -180,6 +180,30 @@ def test_xla_hands_each_bucket_over_as_it_computes_it_and_keeps_the_summed_buffe
     assert handed[0] < backward[1], events
 
 
+def test_the_last_callback_stops_the_step_where_the_summed_buffer_is_not_the_one_xla_hands_on():
+    """Should XLA ever copy a handed-over bucket, the worker's sum would be lost or torn: the last
+    callback compares addresses and raises, naming the setting that avoids the hand-over per bucket
+    (simulated by a stand-in reducer whose sums lie in buffers of its own)."""
+    import jax
+    import jax.numpy as jnp
+    from tarantella.backends.jax.gradient_sums import BucketSum
+
+    class CopyingReducer:
+        def __init__(self):
+            self._arrays = {}
+
+        def submit(self, index, count, array, agreed=False):
+            self._arrays[index] = array.copy()
+
+        def collect(self):
+            return [self._arrays[i] for i in sorted(self._arrays)]
+
+    bucket_sum = BucketSum(CopyingReducer(), threshold_bytes=0, per_bucket=True)
+    step = jax.jit(lambda grads: bucket_sum(grads, contributes=True)[0])
+    with pytest.raises(Exception, match="moved by XLA.*TNT_JAX_GRADIENT_HANDOVER=after-backprop"):
+        jax.block_until_ready(step([jnp.ones((64,), jnp.float32), jnp.ones((32,), jnp.float32)]))
+
+
 @pytest.fixture(scope="module")
 def loss_serial_dir(scratch):
     out = scratch / "jax-loss-serial"
