@@ -8,6 +8,8 @@ traced once:
   tnt-mpi      the same model with TNT_ALLREDUCE=mpi (switched between windows)
   one-bucket   a fusion threshold larger than the model: one bucket, handed over after backprop
   fusion-KB    another fusion threshold (nominal KiB, scaled like the default)
+  after-backprop  (JAX) TNT_JAX_GRADIENT_HANDOVER=after-backprop: every bucket summed after the
+               whole backprop, where `tnt` picks by placement (per bucket as XLA computes it, across hosts)
   compute      the same profile model as plain Keras, no tnt.Model: each rank trains alone on a
                micro-batch, the compute-only step of the same ranks, the efficiency's numerator
                (so every cost tarantella adds, not only the gradient sum, counts against it)
@@ -94,6 +96,7 @@ def main():
         if base.startswith("fusion-"):
             kb = float(base.split("-", 1)[1])
         os.environ["TNT_FUSION_THRESHOLD"] = repr(kb / args.scale)
+        os.environ["TNT_JAX_GRADIENT_HANDOVER"] = "after-backprop" if base == "after-backprop" else "auto"
         keras.utils.set_random_seed(0)
         model = profile_model.build(profile, args.scale, args.time_factor)
         batch = MICRO_BATCH
