@@ -25,9 +25,12 @@ every variant, one window of --steps timed steps each, the order reversed every 
   tnt-mpi     TNT_ALLREDUCE=mpi (MPI_Allreduce for every bucket)
   one-bucket  a fusion threshold above the model's size: one bucket, after backprop (no overlap)
   fusion-KB   fusion threshold KB KiB (nominal); --thresholds picks two (default 1024, 8192)
+  after-backprop  (--backend jax, named only) TNT_JAX_GRADIENT_HANDOVER=after-backprop: the buckets
+              summed after the whole backprop, against `tnt`'s hand-over per bucket across hosts
   compute     the same profile model as plain Keras, no communication: the compute-only step,
               efficiency's numerator
   ddp         (--backend torch) torch DDP over gloo, a peer
+  keras-dp    (--backend jax) Keras' DataParallel over JAX's distributed runtime (gloo), a peer
   horovod     Horovod 0.28.1 on Keras 2, a peer: a second job on the same hosts (see Peers)
   keras2      (named only) the profile model on Keras 2 without Horovod, in Horovod's job: Keras 2's
               compute-only step
@@ -44,8 +47,11 @@ needs Keras 2: a second job (benchmarks/cluster/horovod_worker.py, run by the Py
 the same launcher and mpiexec, started beside tarantella's and driven in the same rounds through
 the same FIFO protocol; it is stopped (SIGSTOP) between its windows, as its background thread
 cycles every millisecond. Its fusion threshold (128 MiB, Horovod's default) is divided by the
-byte scale like tarantella's; its cycle time (1 ms) is a time and stays as it is. Keras'
-DataParallel on JAX is not run yet; docs/benchmarks.md says what it needs.
+byte scale like tarantella's; its cycle time (1 ms) is a time and stays as it is. With --backend
+jax, the variant `keras-dp` is Keras' own keras.distribution.DataParallel over JAX's distributed
+runtime (CPU collectives over gloo), in the same job and rounds: the profile model's stages wait on
+each process's rows, and each weight's gradient is averaged with one allreduce of its size, as
+XLA averages a real layer's.
 
 Commands:
   python benchmarks/emulated_cluster.py run [--models resnet50,transformer_big] [--ranks 2,4,8,16]
@@ -86,7 +92,9 @@ NETPROBE = os.path.join(HERE, "cluster", "netprobe.py")
 MODELS = ("resnet50", "transformer_big", "bert_base", "vgg16")
 DEFAULT_SCALE = 512
 DEFAULT_THRESHOLDS = (32, 8192)  # 32 KiB: tarantella's threshold on one node
-PEERS = ("ddp", "horovod")  # variants that are not tarantella: no fusion plan, so no limit or model of their own
+PEERS = ("ddp", "keras-dp", "horovod")  # variants that are not tarantella: no fusion plan, so no limit or model of their own
+# tarantella's own alternative forms: `tnt` is judged against each (its step / theirs below 1: it wins).
+ALTERNATIVES = ("after-backprop",)
 # The variants of Horovod's job (Keras 2, its own interpreter); keras2 is a baseline, not a peer.
 HOROVOD_LABELS = ("horovod", "keras2")
 # Horovod 0.28.1's fusion threshold (128 MiB since 0.21) in bytes, nominal: divided by the byte
@@ -371,14 +379,14 @@ def judge(results):
     for model, by_p in results.items():
         for p, result in by_p.items():
             for link, rows in result["analysis"].items():
-                for peer in PEERS:
-                    if peer not in rows or "tnt" not in rows:
+                for other, target in [(peer, PEER_TARGET) for peer in PEERS] + [(form, 1.0) for form in ALTERNATIVES]:
+                    if other not in rows or "tnt" not in rows:
                         continue
-                    ratios = [t / d for t, d in zip(rows["tnt"]["per_round"], rows[peer]["per_round"])]
+                    ratios = [t / d for t, d in zip(rows["tnt"]["per_round"], rows[other]["per_round"])]
                     spread = summarize(ratios)
-                    lines.append(f"{model}, {link}, {p} ranks: tnt step / {peer} step {spread['median']:.3f} (IQR "
-                                 f"{spread['q1']:.3f}-{spread['q3']:.3f}), target <= {PEER_TARGET:.2f}: "
-                                 f"{verdict(spread, PEER_TARGET, len(ratios))}")
+                    lines.append(f"{model}, {link}, {p} ranks: tnt step / {other} step {spread['median']:.3f} (IQR "
+                                 f"{spread['q1']:.3f}-{spread['q3']:.3f}), target <= {target:.2f}: "
+                                 f"{verdict(spread, target, len(ratios))}")
     return lines
 
 
@@ -392,7 +400,9 @@ def print_table(results, links, labels, file=sys.stdout):
         for p, result in by_p.items():
             for link in links:
                 for label in labels:
-                    row = result["analysis"][link][label]
+                    row = result["analysis"].get(link, {}).get(label)
+                    if row is None:  # a merged run that did not time this variant or link
+                        continue
                     step = row["step"]
                     cells = [model, p, str(result["measured"]["hosts"]), link, label, str(row.get("buckets", "")),
                              f"{step['median'] * 1e3:.0f} ({step['q1'] * 1e3:.0f}-{step['q3'] * 1e3:.0f})"]
@@ -420,9 +430,14 @@ def print_summary(results, links, labels, file=sys.stdout):
     for model, by_p in results.items():
         for link in links:
             for p, result in sorted(by_p.items(), key=lambda item: int(item[0])):
-                rows = result["analysis"][link]
+                rows = result["analysis"].get(link)
+                if rows is None:
+                    continue
                 cells = [model, link, p, f"{rows['compute']['step']['median'] * 1e3:.0f}"]
                 for label in shown:
+                    if label not in rows:  # a merged run that did not time this variant
+                        cells.append("")
+                        continue
                     eff = rows[label]["efficiency"]
                     cells.append(f"{eff['median']:.2f} ({eff['q1']:.2f}-{eff['q3']:.2f})")
                 busy = rows.get("tnt", {}).get("machine_busy")
@@ -498,8 +513,11 @@ def plot(results, links, labels, path):
             for label in labels:
                 if label == "compute":
                     continue
-                effs = [results[model][p]["analysis"][link][label]["efficiency"] for p in ps]
-                axis.errorbar([int(p) for p in ps], [e["median"] for e in effs],
+                timed = [p for p in ps if label in results[model][p]["analysis"].get(link, {})]
+                if not timed:
+                    continue
+                effs = [results[model][p]["analysis"][link][label]["efficiency"] for p in timed]
+                axis.errorbar([int(p) for p in timed], [e["median"] for e in effs],
                               yerr=[[e["median"] - e["q1"] for e in effs], [e["q3"] - e["median"] for e in effs]],
                               marker="o", capsize=3, label=label)
             axis.set_xscale("log", base=2)
@@ -713,8 +731,8 @@ def build_parser():
     profile.add_argument("--batch", type=int, default=1, help="samples per step (default 1)")
     profile.add_argument("--verbose", action="store_true", help="print every layer's times")
     report = commands.add_parser("report", help="print the tables (and --plot) of a saved `run --json` file")
-    report.add_argument("files", nargs="+", metavar="FILE.json", help="one run, or several measured with the "
-                        "same links and variants (their models and rank counts merged)")
+    report.add_argument("files", nargs="+", metavar="FILE.json", help="one run, or several (their models, rank "
+                        "counts, links and variants merged; a later file's configuration replaces an earlier one's)")
     report.add_argument("--plot", metavar="FILE.png")
     project = commands.add_parser("project", help="model the step at large p from a profile or a trace")
     import projection
@@ -737,6 +755,9 @@ def main():
                 continue
             for model, by_p in loaded["results"].items():
                 run["results"].setdefault(model, {}).update(by_p)
+            # Runs of other variants or links: every one shown, each cell where it was timed.
+            run["labels"] += [label for label in loaded["labels"] if label not in run["labels"]]
+            run["links"] += [link for link in loaded["links"] if link not in run["links"]]
         print_table(run["results"], run["links"], run["labels"])
         print("\nEfficiency per variant (compute-only step / step, median and IQR over rounds):\n")
         print_summary(run["results"], run["links"], run["labels"])

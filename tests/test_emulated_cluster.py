@@ -179,6 +179,21 @@ def test_a_two_host_emulated_run_times_horovod_beside_tarantella(tmp_path):
     assert "tnt step / horovod step" in process.stdout
 
 
+def test_a_two_host_emulated_run_times_keras_data_parallel_beside_tarantella_on_jax(tmp_path):
+    """The keras-dp peer: Keras' DataParallel over JAX's distributed runtime, in the same job and
+    rounds as tarantella on JAX; its ranks end with the same weights, as replicas must."""
+    skip_without_the_emulated_cluster()
+    pytest.importorskip("jax")
+    _, result = run_tiny_profile(tmp_path, "tnt,keras-dp,compute", "--backend", "jax")
+    assert result["measured"]["backend"] == "jax"
+    rows = result["analysis"]["10gbe"]
+    for label in ("tnt", "keras-dp"):
+        assert len(rows[label]["per_round"]) == 2
+        assert rows[label]["step"]["median"] >= 0.036  # the profile's compute
+        assert 0 < rows[label]["efficiency"]["median"] <= 1.2
+    assert "limit" not in rows["keras-dp"]  # a peer: no fusion plan of tarantella's
+
+
 TWO_STAGES = {"model": "two", "batch": 1, "parameters": 0, "device": "made up", "layers": [
     {"name": "a", "weights": [[40, 3], [3]], "forward_s": 0.003, "backward_s": 0.005},
     {"name": "b", "weights": [[4, 4]], "forward_s": 0.002, "backward_s": 0.007}]}
@@ -261,3 +276,34 @@ def test_a_shaped_link_carries_the_profiles_rate(tmp_path):
     assert unshaped > 5 * shaped
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.count(
         emulated.prefix) == 0
+
+
+def _saved_run(path, labels, efficiency):
+    """A saved `run --json` file of one model at 2 ranks on 10gbe, `labels` timed (compute too)."""
+    def row(value):
+        spread = {"median": value, "q1": value, "q3": value}
+        return {"step": spread, "efficiency": spread, "per_round": [value], "efficiency_per_round": [value]}
+    rows = {"compute": row(0.05), **{label: row(efficiency[label]) for label in labels}}
+    results = {"tiny": {"2": {"measured": {"hosts": 2, "probes": {}}, "analysis": {"10gbe": rows}}}}
+    path.write_text(json.dumps({"links": ["10gbe"], "labels": ["compute", *labels], "results": results}))
+    return str(path)
+
+
+def test_report_merges_runs_that_timed_different_variants(tmp_path):
+    """A later run of other variants (Horovod's, say) joins an earlier run's report: each cell where
+    it was timed, blank where not; a later file's configuration replaces an earlier one's."""
+    first = _saved_run(tmp_path / "a.json", ["tnt", "fusion-32"], {"tnt": 0.91, "fusion-32": 0.72})
+    second = _saved_run(tmp_path / "b.json", ["tnt", "horovod"], {"tnt": 0.93, "horovod": 0.88})
+    plotted = importlib.util.find_spec("matplotlib") is not None  # the plot extra
+    plot = ["--plot", str(tmp_path / "merged.png")] if plotted else []
+    process = subprocess.run([sys.executable, str(BENCHMARKS / "emulated_cluster.py"), "report", first, second, *plot],
+                             capture_output=True, text=True, timeout=120)
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
+    summary = process.stdout.split("Efficiency per variant")[1]
+    header = next(line for line in summary.splitlines() if line.startswith("| model"))
+    assert [cell.strip() for cell in header.split("|")[5:8]] == ["tnt", "fusion-32", "horovod"], header
+    data = next(line for line in summary.splitlines() if line.startswith("| tiny"))
+    cells = [cell.strip() for cell in data.split("|")[5:8]]
+    # the tiny model's only configuration is the second run's: fusion-32 was not timed in it
+    assert cells == ["0.93 (0.93-0.93)", "", "0.88 (0.88-0.88)"], data
+    assert not plotted or (tmp_path / "merged.png").stat().st_size > 0

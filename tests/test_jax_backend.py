@@ -12,7 +12,9 @@ summed losses of tests/workers/real_models.py on 2 ranks, callbacks with saving 
 The default slice also trains on a parallel interleave of TFRecord files and a shuffled PyDataset
 (tests/workers/backend_inputs.py), and runs the public collectives and a custom loop outside jitted
 code (tests/workers/backend_collectives.py), on 2 ranks; keras.random's draws in a custom step are
-serial Keras' (tests/workers/serial_draws.py, one process playing the ranks).
+serial Keras' (tests/workers/serial_draws.py, one process playing the ranks); and the gradient
+buckets handed over one by one as XLA computes them against all after backprop (bitwise, on 2
+ranks, and in one process: what that relies on in jax.experimental.buffer_callback).
 TNT_BACKEND_TESTS=1 adds every case on 2 ranks, the uneven cases, the masked, weighted and
 summed losses and synchronized BatchNormalization (conv nets) on 3 ranks, the saved conv net on 1
 and 3 ranks, every file source,
@@ -82,6 +84,127 @@ def test_ranks_train_like_serial_keras_on_jax(ranks, serial_dir, scratch):
     assert_ok(launch(ranks, WORKER, "--mode", "tnt", "--out", out, "--cases", ",".join(cases), env=JAX))
     assert_ranks_like_serial(serial_dir, out, cases, ranks, "JAX")
     assert_accumulation_sums_once_per_cycle(serial_dir, out, ranks)
+
+
+def test_buckets_handed_over_as_xla_computes_them_train_bitwise_like_buckets_summed_after_backprop(serial_dir,
+                                                                                                    scratch):
+    """TNT_JAX_GRADIENT_HANDOVER=per-bucket (each bucket to the worker as XLA computes it, the automatic
+    form across nodes) against after-backprop (one callback after backprop, the form on one node), on
+    2 ranks with 1 KiB buckets (fused and single gradients): the same sums, bit for bit, and serial
+    Keras-on-JAX's results; mlp-batch2 leaves a rank without samples, which sums after backprop."""
+    cases = DEFAULT_CASES
+    outs = {}
+    for form in ("per-bucket", "after-backprop"):
+        outs[form] = scratch / f"jax-handover-{form}"
+        outs[form].mkdir()
+        assert_ok(launch(2, WORKER, "--mode", "tnt", "--out", outs[form], "--cases", ",".join(cases),
+                         env={**JAX, "TNT_JAX_GRADIENT_HANDOVER": form, "TNT_FUSION_THRESHOLD": "1"}))
+    assert_ranks_like_serial(serial_dir, outs["per-bucket"], cases, 2, "JAX")
+    for case in cases:
+        for rank in range(2):
+            per_bucket, after_backprop = (load_npz(outs[form] / f"{case}.rank{rank}.npz") for form in outs)
+            for key in after_backprop:
+                np.testing.assert_array_equal(per_bucket[key], after_backprop[key], err_msg=f"{case}, rank {rank}, {key}")
+
+
+def test_xla_hands_each_bucket_over_as_it_computes_it_and_keeps_the_summed_buffers_in_place():
+    """What the hand-over per bucket relies on in jax.experimental.buffer_callback, checked in one
+    process with a stand-in reducer that doubles each bucket in place a moment after it arrives (as
+    the worker sums it, on its own thread): XLA runs a bucket's callback before backprop ends (the
+    layer before it sleeps in its backward pass), keeps the buffer the worker writes until the last
+    callback, which finds it at the same address (else it raises), and the step reads the sums."""
+    import threading
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    from tarantella.backends.jax.gradient_sums import BucketSum
+
+    events = []
+
+    class DoublingReducer:
+        def __init__(self):
+            self._arrays, self._workers = {}, []
+
+        def submit(self, index, count, array, agreed=False):
+            events.append(("handed over", index, time.perf_counter()))
+            self._arrays[index] = array
+            self._workers.append(threading.Timer(0.05, np.multiply, (array, 2), {"out": array}))
+            self._workers[-1].start()
+
+        def collect(self):
+            for worker in self._workers:
+                worker.join()
+            self._workers = []
+            return [self._arrays[i] for i in sorted(self._arrays)]
+
+    def sleeping(x, layer):
+        def host(array):
+            events.append(("backward", layer, time.perf_counter()))
+            time.sleep(0.1)
+            return array
+        return jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    def layer(index):  # a layer whose backward pass takes 0.1 s, as benchmarks/cluster/profile_model.py's
+        @jax.custom_vjp
+        def apply(x, w):
+            return x * w
+
+        apply.defvjp(lambda x, w: (x * w, (x, w)), lambda saved, dy: (sleeping(dy, index) * saved[1], dy * saved[0]))
+        return apply
+
+    layers = [layer(index) for index in range(4)]
+
+    def loss(weights, x):
+        for apply, w in zip(layers, weights):
+            x = apply(x, w)
+        return jnp.sum(jnp.tanh(x))
+
+    bucket_sum = BucketSum(DoublingReducer(), threshold_bytes=0, per_bucket=True)
+
+    @jax.jit
+    def step(weights, x):
+        grads = jax.grad(loss)(weights, x)
+        summed, _ = bucket_sum(grads, contributes=True)
+        return grads, summed
+
+    weights = [jnp.full((256,), 0.5 + index, jnp.float32) for index in range(4)]
+    x = jnp.linspace(-1, 1, 256, dtype=jnp.float32)
+    step(weights, x)
+    events.clear()
+    grads, summed = jax.block_until_ready(step(weights, x))
+    for grad, total in zip(grads, summed):
+        np.testing.assert_array_equal(np.asarray(total), 2 * np.asarray(grad))
+    handed = {index: at for what, index, at in events if what == "handed over"}
+    backward = {layer: at for what, layer, at in events if what == "backward"}
+    # Layers 3, 2 and 1 sleep (layer 0's input gradient is not needed); the last layer's gradient, bucket 0
+    # in plan order, leaves while backprop goes on (XLA runs its callback a layer or two after computing it).
+    assert sorted(handed) == [0, 1, 2, 3] and sorted(backward) == [1, 2, 3], events
+    assert handed[0] < backward[1], events
+
+
+def test_the_last_callback_stops_the_step_where_the_summed_buffer_is_not_the_one_xla_hands_on():
+    """Should XLA ever copy a handed-over bucket, the worker's sum would be lost or torn: the last
+    callback compares addresses and raises, naming the setting that avoids the hand-over per bucket
+    (simulated by a stand-in reducer whose sums lie in buffers of its own)."""
+    import jax
+    import jax.numpy as jnp
+    from tarantella.backends.jax.gradient_sums import BucketSum
+
+    class CopyingReducer:
+        def __init__(self):
+            self._arrays = {}
+
+        def submit(self, index, count, array, agreed=False):
+            self._arrays[index] = array.copy()
+
+        def collect(self):
+            return [self._arrays[i] for i in sorted(self._arrays)]
+
+    bucket_sum = BucketSum(CopyingReducer(), threshold_bytes=0, per_bucket=True)
+    step = jax.jit(lambda grads: bucket_sum(grads, contributes=True)[0])
+    with pytest.raises(Exception, match="moved by XLA.*TNT_JAX_GRADIENT_HANDOVER=after-backprop"):
+        jax.block_until_ready(step([jnp.ones((64,), jnp.float32), jnp.ones((32,), jnp.float32)]))
 
 
 @pytest.fixture(scope="module")

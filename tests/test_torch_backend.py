@@ -14,7 +14,7 @@ unchanged on torch, and so does tests/test_zoo.py's torch slice of the conforman
 families against serial Keras-on-torch; TNT_ZOO_CASES=all TNT_ZOO_BACKEND=torch python -m pytest
 tests/test_zoo.py runs the whole zoo on torch). tests/workers/backend_inputs.py trains on file
 sources (the TFRecord and text-line pipelines of tests/test_file_sources.py), PyDatasets and NumPy
-arrays; the public collectives run on NumPy arrays and keras.Variables
+arrays; the public collectives run on NumPy arrays, torch tensors and keras.Variables
 (tests/workers/backend_collectives.py); keras.random's draws in a custom step are serial Keras'
 (tests/workers/serial_draws.py, one process playing the ranks). TNT_BACKEND_TESTS=1 runs the whole matrix: every case of
 tests/workers/train_cases.py that torch can run on 2 ranks and the uneven-split ones on 3, and every
@@ -104,7 +104,6 @@ def test_a_model_saved_with_synchronized_batch_normalization_loads_and_trains_on
 
 @pytest.mark.parametrize("feature, named", [
     ("synchronized_moments_in_custom_step", "Synchronized BatchNormalization inside an overridden train_step"),
-    ("collective_on_tensor", "tnt.allreduce does not take Tensor values"),
     ("local_logs", "aggregate_logs=False"),
 ])
 def test_features_missing_on_torch_are_refused_on_every_rank(feature, named):

@@ -110,7 +110,7 @@ def _stage_tensorflow(keras):
     return apply
 
 
-def _stage_jax(keras):
+def _stage_jax(keras, batch_mesh=None):
     import jax
     import jax.numpy as jnp
 
@@ -118,7 +118,30 @@ def _stage_jax(keras):
         def host(array):
             wait(seconds, what)
             return array
-        return jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+        def wait_on(x):
+            return jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        if batch_mesh is None:
+            return wait_on(x)
+        # Under a batch-sharded mesh (Keras' DataParallel) each process waits on its own rows: a bare
+        # host callback would be placed on one device, and every stage's rows sent there and back.
+        return jax.shard_map(wait_on, mesh=batch_mesh, in_specs=rows, out_specs=rows)(x)
+
+    def weight_gradients(dx, shapes):
+        def of_rows(dx):
+            g = jnp.mean(dx) * GRADIENT_FACTOR
+            return tuple(jnp.full(shape, g, dtype) for shape, dtype in shapes)
+        if batch_mesh is None:
+            return of_rows(dx)
+        # Each process's gradients of its own rows, averaged over the mesh as XLA averages a real
+        # layer's: one allreduce of each weight's size (from a global mean alone, XLA would send a
+        # scalar and broadcast it).
+        return jax.shard_map(lambda dx: tuple(jax.lax.pmean(g, batch_axis) for g in of_rows(dx)), mesh=batch_mesh,
+                             in_specs=rows, out_specs=jax.sharding.PartitionSpec())(dx)
+
+    if batch_mesh is not None:
+        batch_axis = batch_mesh.axis_names[0]
+        rows = jax.sharding.PartitionSpec(batch_axis)
 
     def apply(layer, x, weights):
         forward_s, backward_s, name = layer.forward_s, layer.backward_s, layer.name
@@ -133,8 +156,7 @@ def _stage_jax(keras):
 
         def backward(_, dy):
             dx = waiting(backward_s, (name, "backward"), dy)
-            g = jnp.mean(dx) * GRADIENT_FACTOR
-            return (dx,) + tuple(jnp.full(shape, g, dtype) for shape, dtype in shapes)
+            return (dx,) + weight_gradients(dx, shapes)
 
         stage.defvjp(forward, backward)
         return stage(x, *weights)
@@ -167,11 +189,15 @@ def _stage_torch(keras):
 GRADIENT_FACTOR = 1e-6  # each weight's gradient: the mean of the incoming gradient times this
 
 
-def build(profile, scale, time_factor=1.0):
-    """The profile model on the current Keras backend (TensorFlow, JAX or PyTorch)."""
+def build(profile, scale, time_factor=1.0, batch_mesh=None):
+    """The profile model on the current Keras backend (TensorFlow, JAX or PyTorch); on JAX,
+    `batch_mesh` is the jax.sharding.Mesh whose first axis Keras' DataParallel shards the batch on."""
     import keras
 
-    apply = {"tensorflow": _stage_tensorflow, "jax": _stage_jax, "torch": _stage_torch}[keras.backend.backend()](keras)
+    if keras.backend.backend() == "jax":
+        apply = _stage_jax(keras, batch_mesh)
+    else:
+        apply = {"tensorflow": _stage_tensorflow, "torch": _stage_torch}[keras.backend.backend()](keras)
 
     class Stage(keras.layers.Layer):
         def __init__(self, sizes, forward_s, backward_s, **kwargs):

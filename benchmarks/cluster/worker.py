@@ -8,12 +8,18 @@ traced once:
   tnt-mpi      the same model with TNT_ALLREDUCE=mpi (switched between windows)
   one-bucket   a fusion threshold larger than the model: one bucket, handed over after backprop
   fusion-KB    another fusion threshold (nominal KiB, scaled like the default)
+  after-backprop  (JAX) TNT_JAX_GRADIENT_HANDOVER=after-backprop: every bucket summed after the
+               whole backprop, where `tnt` picks by placement (per bucket as XLA computes it, across hosts)
   compute      the same profile model as plain Keras, no tnt.Model: each rank trains alone on a
                micro-batch, the compute-only step of the same ranks, the efficiency's numerator
                (so every cost tarantella adds, not only the gradient sum, counts against it)
   ddp          (torch backend only) a peer: the same Keras model inside torch's
                DistributedDataParallel over gloo, trained by a torch loop as keras-io's DDP guide
                does it; its bucket cap (25 MB) divided by the byte scale like tarantella's threshold
+  keras-dp     (JAX backend only) a peer: the same Keras model under Keras' own
+               keras.distribution.DataParallel, over JAX's distributed runtime started on every rank
+               (its CPU collectives over gloo), fit as Keras' distribution guide does it, each
+               process feeding its own rows; XLA sums the gradients inside the jitted step
 
 The ring's 1 MiB cut-over is divided by the byte scale too, so each bucket takes the algorithm
 its nominal size would (tnt_internals.py: the one place that reaches past the public API).
@@ -57,6 +63,7 @@ def main():
     world = MPI.COMM_WORLD
     scaled_ring = tnt_internals.scale_ring_cut_over(args.scale)
     rank, size = tnt.get_rank(), tnt.get_size()
+    data_parallel = start_keras_data_parallel(world) if "keras-dp" in args.variants.split(",") else None
     profile = profile_model.load(args.profile)
     features, labels = profile_model.data(MICRO_BATCH * size)
     automatic = tnt_internals.automatic_threshold_kb()
@@ -80,10 +87,16 @@ def main():
             batches[label] = batches[base] = MICRO_BATCH
             models[label].fit(features, labels, MICRO_BATCH, 1, 2, False, 0)
             continue
+        if base == "keras-dp":
+            models[label] = models[base] = KerasDataParallelTrainer(profile, args, data_parallel, rank, size)
+            batches[label] = batches[base] = MICRO_BATCH
+            models[label].fit(features, labels, MICRO_BATCH, 1, 2, False, 0)
+            continue
         kb = {"one-bucket": ONE_BUCKET_KB}.get(base, default_kb)
         if base.startswith("fusion-"):
             kb = float(base.split("-", 1)[1])
         os.environ["TNT_FUSION_THRESHOLD"] = repr(kb / args.scale)
+        os.environ["TNT_JAX_GRADIENT_HANDOVER"] = "after-backprop" if base == "after-backprop" else "auto"
         keras.utils.set_random_seed(0)
         model = profile_model.build(profile, args.scale, args.time_factor)
         batch = MICRO_BATCH
@@ -160,6 +173,42 @@ class DdpTrainer:
             self.optimizer.step()
             for callback in callbacks:
                 callback.on_train_batch_end(step)
+
+
+def start_keras_data_parallel(world):
+    """Keras' DataParallel over every rank's CPU device: JAX's distributed runtime (its coordinator
+    on the master's host, gloo for the CPU collectives), started before JAX computes anything."""
+    if keras.backend.backend() != "jax":
+        raise SystemExit("the keras-dp variant needs KERAS_BACKEND=jax")
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    address = world.bcast(socket.gethostbyname(socket.gethostname()), root=0)
+    keras.distribution.initialize(job_addresses=f"{address}:29518", num_processes=world.Get_size(),
+                                  process_id=world.Get_rank())
+    # Each process feeds its own rows, as tarantella's ranks keep theirs.
+    return keras.distribution.DataParallel(devices=keras.distribution.list_devices(), auto_shard_dataset=False)
+
+
+class KerasDataParallelTrainer:
+    """The profile model built, compiled and fit under Keras' DataParallel (`distribution`): the
+    global batch is every process's MICRO_BATCH rows, and the step Keras jits sums the gradients
+    over the processes with XLA's collectives. Its stages wait on each process's own rows
+    (profile_model's `batch_mesh`). Only this trainer runs in the distribution's scope: the
+    tarantella variants beside it in this process are built and fit outside it."""
+
+    def __init__(self, profile, args, distribution, rank, size):
+        self.distribution, self.rank, self.size = distribution, rank, size
+        with distribution.scope():
+            keras.utils.set_random_seed(0)
+            self.model = profile_model.build(profile, args.scale, args.time_factor,
+                                             batch_mesh=distribution.device_mesh.backend_mesh)
+            self.model.compile(keras.optimizers.SGD(0.01), "mse")
+
+    def fit(self, features, labels, batch_size, epochs, steps_per_epoch, shuffle, verbose, callbacks=()):
+        with self.distribution.scope():
+            self.model.fit(features[self.rank::self.size], labels[self.rank::self.size], batch_size=batch_size,
+                           epochs=epochs, steps_per_epoch=steps_per_epoch, shuffle=shuffle, verbose=verbose,
+                           callbacks=list(callbacks))
 
 
 def probe(world, nbytes, calls=200):

@@ -57,6 +57,10 @@ SETTINGS = {setting.name: setting for setting in (
             "each binding its threads to its own share; ranks bound already keep their binding"),
     Setting("TNT_ALLREDUCE", "choice", "ring", "`ring`: large gradient buckets go through tarantella's ring "
             "allreduce; `mpi`: always `MPI_Allreduce`", choices=("ring", "mpi")),
+    Setting("TNT_JAX_GRADIENT_HANDOVER", "choice", "auto", "Keras' JAX backend on CPUs: `per-bucket` hands each "
+            "gradient bucket to the allreduce as XLA computes it, overlapping backprop; `after-backprop` sums "
+            "them all after it", choices=("auto", "per-bucket", "after-backprop"),
+            shown_default="`auto`: per-bucket across nodes, after-backprop on one node"),
     Setting("TNT_USE_GPU", "boolean", True, "`false`: every rank runs on CPU (the command sets it with "
             "`--no-gpu`, or where a node has fewer GPUs than ranks)", flag="--no-gpu"),
     Setting("TNT_SHARE_GPUS", "boolean", False, "with fewer GPUs than ranks on a node, the ranks share them "
@@ -153,6 +157,15 @@ def ring_allreduce():
         raise ValueError(f"TNT_ALLREDUCE={choice!r} must be 'ring' (large buckets in a ring over "
                          "MPI point-to-point) or 'mpi' (always MPI_Allreduce).")
     return choice == "ring"
+
+
+def jax_gradient_handover():
+    """'per-bucket', 'after-backprop', or 'auto' (the job's placement chooses, `backends.jax.gradient_sums`)."""
+    choice = os.environ.get("TNT_JAX_GRADIENT_HANDOVER", "").strip().lower() or _default("TNT_JAX_GRADIENT_HANDOVER")
+    if choice not in SETTINGS["TNT_JAX_GRADIENT_HANDOVER"].choices:
+        raise ValueError(f"TNT_JAX_GRADIENT_HANDOVER={choice!r} must be 'auto', 'per-bucket' (each gradient bucket "
+                         "summed as XLA computes it) or 'after-backprop' (all of them after backprop).")
+    return choice
 
 
 def output_on_all_devices():
@@ -269,6 +282,7 @@ def restart_attempt():
 _READERS = {
     "TNT_FUSION_THRESHOLD": fusion_threshold_bytes, "TNT_COLLECTIVE_TIMEOUT": collective_timeout_s,
     "TNT_THREADS_PER_RANK": threads_per_rank, "TNT_BIND_CORES": bind_cores, "TNT_ALLREDUCE": ring_allreduce,
+    "TNT_JAX_GRADIENT_HANDOVER": jax_gradient_handover,
     "TNT_OUTPUT_ON_ALL_DEVICES": output_on_all_devices, "TNT_TENSORBOARD_ON_ALL_DEVICES": tensorboard_on_all_devices,
     "TNT_LOG_ON_ALL_DEVICES": log_on_all_devices, "TNT_USE_GPU": use_gpu, "TNT_SHARE_GPUS": share_gpus,
     "TNT_ANNOUNCE_RANKS": announce_ranks,

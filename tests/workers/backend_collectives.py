@@ -4,8 +4,8 @@ compiled step, against NumPy; and a custom training loop built from them, agains
 - tnt.allreduce (every op), tnt.broadcast (root 0 and the last rank) and tnt.allgather (rows
   differing per rank, none on some) on NumPy arrays of every dtype and shape that
   tests/workers/user_collectives.py checks on TensorFlow (its inputs and expected values are
-  reused), and on JAX arrays on JAX (torch tensors are refused: tests/workers/torch_cases.py);
-  NumPy comes back. tnt.barrier.
+  reused), and on JAX arrays on JAX and torch tensors on torch (float32, needing their gradient,
+  and bfloat16); NumPy comes back. tnt.barrier.
 - keras.Variables: tnt.broadcast_variables on a model's variables, and a Keras metric combined by
   summing its state with tnt.allreduce (docs/guide.md, "Custom training loops").
 - A custom training loop without tnt.optimizers (refused on these backends): each rank takes its
@@ -34,8 +34,19 @@ BACKEND = keras.backend.backend()
 RANK, SIZE = tnt.get_rank(), tnt.get_size()
 
 
+def torch_tensor(array):
+    """`array` as a torch tensor of its dtype (bfloat16 included), one that needs its gradient where it
+    is a float: the collectives take it as a user's tensor in a loop would be."""
+    import torch
+    array = np.asarray(array)
+    if array.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(array.astype(np.float32)).to(torch.bfloat16)
+    tensor = torch.from_numpy(array.copy())
+    return tensor.requires_grad_() if tensor.is_floating_point() else tensor
+
+
 def check_arrays():
-    """Every dtype on NumPy arrays; float32 and bfloat16 also as JAX arrays on JAX."""
+    """Every dtype on NumPy arrays; float32 and bfloat16 also as JAX arrays on JAX, torch tensors on torch."""
     checks = 0
     for case, dtype in enumerate(shared.FLOATS + shared.INTEGERS + [np.complex64, np.bool_]):
         everyone = [[shared.value_of(rank, (case, i), shape, dtype) for rank in range(SIZE)]
@@ -45,12 +56,16 @@ def check_arrays():
         ops = shared.ops_for(dtype)
         expected = shared.expected_results(everyone, everyone_rows, ops)
         tolerance = 1e-2 if dtype in (np.float16, ml_dtypes.bfloat16) else 1e-6
-        kinds = ["numpy"] + (["jax"] if BACKEND == "jax" and dtype in (np.float32, ml_dtypes.bfloat16) else [])
+        kinds = ["numpy"]
+        if dtype in (np.float32, ml_dtypes.bfloat16):
+            kinds.append({"jax": "jax", "torch": "torch"}[BACKEND])
         for kind in kinds:
             convert = np.asarray
             if kind == "jax":
                 import jax.numpy as jnp
                 convert = jnp.asarray
+            elif kind == "torch":
+                convert = torch_tensor
             values = [convert(inputs[RANK]) for inputs in everyone]
             rows = [convert(r[RANK]) for r in everyone_rows]
             results = shared.collectives_on(values, rows, ops)
@@ -142,8 +157,20 @@ def check_custom_loop():
     return error
 
 
+def check_bfloat16_loop_gradients():
+    """torch: tnt.optimizers.allreduce_gradients on a bfloat16 gradient gives the ranks' mean in
+    bfloat16 (its values exact in bfloat16), beside a float32 one."""
+    import torch
+    own = torch.full((3,), 1.0 + RANK, dtype=torch.bfloat16), torch.full((2,), 2.0 * RANK)
+    summed = tnt.optimizers.allreduce_gradients(list(own))
+    assert [g.dtype for g in summed] == [torch.bfloat16, torch.float32], [g.dtype for g in summed]
+    assert summed[0].tolist() == [1.0 + (SIZE - 1) / 2] * 3 and summed[1].tolist() == [float(SIZE - 1)] * 2, summed
+
+
 if __name__ == "__main__":
     print(f"rank {RANK}: {check_arrays()} collective checks on {BACKEND} agree with numpy", flush=True)
+    if BACKEND == "torch":
+        check_bfloat16_loop_gradients()
     check_variables()
     print(f"rank {RANK}: broadcast_variables and a metric's summed state agree", flush=True)
     print(f"rank {RANK}: custom loop max weight error {check_custom_loop():.1e}", flush=True)

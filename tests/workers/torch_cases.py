@@ -173,7 +173,6 @@ CASES = ["data-loader", "data-loader-shuffled", "numpy-batch2", *LOSS_CASES, *AP
 def refuse(feature):
     import keras
     import numpy as np
-    import torch
 
     import tarantella as tnt
 
@@ -188,8 +187,6 @@ def refuse(feature):
                               synchronized_batch_normalization=True)
             model.compile("sgd", "sparse_categorical_crossentropy")
             model.fit(features, labels, batch_size=8, verbose=0)
-        elif feature == "collective_on_tensor":
-            tnt.allreduce(torch.ones(3))
         elif feature == "local_logs":
             model = tnt.Model(mlp(keras))
             model.compile("sgd", "sparse_categorical_crossentropy")

@@ -9,6 +9,20 @@ buffer is allocated (for the MLP of benchmarks/scaling.py, faulting in 40 MB of 
 step cost more than its ring allreduce). On a GPU the buckets are an ordered `io_callback`'s
 instead: JAX copies them to the host and their sums back.
 
+That one callback runs after the whole backprop. Per bucket (`hands_over_per_bucket`: across
+nodes, or TNT_JAX_GRADIENT_HANDOVER=per-bucket), each bucket has its own `buffer_callback`, output
+aliased to input, which hands XLA's buffer to the reducer and returns at once, so the worker sums
+it while backprop goes on (XLA runs it a layer or two after it computed the bucket); one last
+callback takes every handed-over buffer, its outputs aliased to them, waits for the round, and
+only its outputs reach the optimizer. The worker writes a buffer after its hand-over returned,
+while XLA runs on: that is safe while XLA neither copies, reads nor frees it. Nothing but the last
+callback reads a handed-over buffer, which keeps it alive; that XLA did not copy it on the way
+(to honour an alias it cannot keep) is checked each step: the last callback finds the very
+addresses the worker summed in, as its inputs and outputs, or raises. A copy before a hand-over
+callback (where XLA still needs the gradient itself) is harmless: the callback then hands over
+the copy. A rank without samples sends zeros after backprop, in the one-callback form: the
+rounds of both forms are the same on the wire.
+
 A `buffer_callback` is in no ordered chain of callbacks: its inputs place it. Where other ordered
 callbacks may come before and after it in the same jitted code (a custom step, a loop), `fenced`
 puts it between two ordered callbacks that communicate nothing: the first one's result is an input
@@ -25,16 +39,18 @@ from jax.experimental import io_callback
 from jax.experimental.buffer_callback import buffer_callback
 
 from tarantella.backends import fusion
+from tarantella.common import config
 
 
 class BucketSum:
     """Sums lists of gradients over the ranks in fused buckets, through `reducer`."""
 
-    def __init__(self, reducer, threshold_bytes):
+    def __init__(self, reducer, threshold_bytes, per_bucket):
         self._reducer = reducer
         self._threshold_bytes = threshold_bytes
         # On the CPU the sum reads and writes XLA's own buffers; a GPU's must be copied.
         self._in_host_memory = jax.default_backend() == "cpu"
+        self._per_bucket = per_bucket and self._in_host_memory
 
     def __call__(self, grads, contributes, sequence=None, after=(), only_if=None):
         """The sum over ranks of `grads` (arrays), and one summed element that later collectives
@@ -68,8 +84,11 @@ class BucketSum:
         if agreed:
             sequence.append(fusion.round_description(layout.names()))
         specs = [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buckets]
-        if self._in_host_memory:
-            summed = buffer_callback(functools.partial(self._sum_in_place, agreed, only_if is not None), specs,
+        conditional = only_if is not None
+        if self._per_bucket and contributes:
+            summed = self._sum_as_computed(buckets, agreed, after, waited_for[-1:] if conditional else ())
+        elif self._in_host_memory:
+            summed = buffer_callback(functools.partial(self._sum_in_place, agreed, conditional), specs,
                                      has_side_effect=True,
                                      input_output_aliases={i: i for i in range(len(buckets))})(*buckets, *waited_for)
         else:  # a GPU's buffers: JAX copies the buckets to the host and the sums back
@@ -90,6 +109,49 @@ class BucketSum:
         if token is not None:
             _fence(token)
         return summed
+
+    def _sum_as_computed(self, buckets, agreed, after, only_if):
+        """The sums of `buckets`, each handed to the worker by its own callback as soon as XLA has
+        computed it; one last callback, whose outputs alias the buckets, waits for the round
+        (`only_if`: () or a traced bool as one element; where False, nothing is handed over)."""
+        # A bucket's callback is in no ordered chain: a fence runs every ordered callback traced
+        # before the sum (the opening, loss divisors, synchronized BatchNormalization's backward
+        # allreduces) before the first hand-over, as the worker must issue their collectives first.
+        ordered_before = (_fence(),) + tuple(after) + tuple(only_if)
+        count = len(buckets)
+        conditional = bool(only_if)
+        handed = [buffer_callback(functools.partial(self._hand_over, index, count, agreed, conditional),
+                                  jax.ShapeDtypeStruct(bucket.shape, bucket.dtype), has_side_effect=True,
+                                  input_output_aliases={0: 0})(bucket, *ordered_before)
+                  for index, bucket in enumerate(buckets)]
+        return buffer_callback(functools.partial(self._wait_for_round, conditional),
+                               [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in handed], has_side_effect=True,
+                               input_output_aliases={i: i for i in range(count)})(*handed, *only_if)
+
+    def _hand_over(self, index, count, agreed, conditional, context, bucket, *unread):
+        """Hands bucket `index` to the worker, which sums it in XLA's buffer after this returns
+        (`conditional`: unless the last input is False)."""
+        if conditional and not np.asarray(unread[-1]):
+            return
+        self._reducer.submit(index, count, np.asarray(bucket).reshape(-1), agreed=agreed)
+
+    def _wait_for_round(self, conditional, context, sums, *handed):
+        """Waits until the worker has summed every bucket. XLA gave each hand-over's output buffer
+        to this callback's input and output (the same addresses) without copying it while the
+        worker wrote it; should a version of XLA ever copy it, the sums are not trusted: stop."""
+        if conditional:
+            handed, summing = handed[:-1], np.asarray(handed[-1])
+            if not summing:
+                return
+        summed = self._reducer.collect()
+        for index, (total, bucket, worked_on) in enumerate(zip(sums, handed, summed)):
+            addresses = {_address(np.asarray(total)), _address(np.asarray(bucket)), _address(worked_on)}
+            if len(addresses) > 1:
+                raise RuntimeError(
+                    f"gradient bucket {index} was moved by XLA while tarantella summed it over the ranks in place "
+                    f"(this JAX {jax.__version__} does not keep a buffer_callback's aliased buffers), so this step's "
+                    "gradients cannot be trusted. Set TNT_JAX_GRADIENT_HANDOVER=after-backprop for the job, and "
+                    "please report this tarantella bug with your JAX version.")
 
     def _sum_in_place(self, agreed, conditional, context, sums, *buckets_and_unread):
         """Sums every bucket over ranks where it lies: each of `sums` is XLA's buffer of its
@@ -113,6 +175,10 @@ class BucketSum:
         for index, array in enumerate(arrays):
             self._reducer.submit(index, len(arrays), array, agreed=agreed)
         self._reducer.collect()
+
+
+def _address(array):
+    return array.__array_interface__["data"][0]
 
 
 def _fence(*after):
@@ -142,7 +208,7 @@ def loop_sum(reducer, threshold_bytes, ranks, grads, num_samples, loss_reduction
         wire.append(g)
     if samples is not None:
         wire.append(jnp.reshape(samples, (1,)))
-    summed = BucketSum(reducer, threshold_bytes).fenced(wire, contributes=True)
+    summed = BucketSum(reducer, threshold_bytes, hands_over_per_bucket()).fenced(wire, contributes=True)
     divisor = None
     if loss_reduction != "sum":
         divisor = summed.pop()[0] if samples is not None else jnp.float32(ranks)
@@ -152,3 +218,14 @@ def loop_sum(reducer, threshold_bytes, ranks, grads, num_samples, loss_reduction
             total = jnp.where(divisor > 0, total / divisor.astype(total.dtype), jnp.zeros_like(total))
         result[i] = total.astype(grads[i].dtype)
     return result
+
+
+def hands_over_per_bucket():
+    """Whether each gradient bucket goes to the worker as XLA computes it: TNT_JAX_GRADIENT_HANDOVER,
+    and where that is 'auto', across nodes only (measured: docs/performance.md, "JAX: buckets as XLA
+    computes them"), the same on every rank."""
+    chosen = config.jax_gradient_handover()
+    if chosen != "auto":
+        return chosen == "per-bucket"
+    from tarantella.runtime import world
+    return world.node_share().nodes > 1

@@ -12,8 +12,9 @@ from the wrapped model's stateless parts (`compute_loss_and_updates`, the optimi
    that alone reaches the fusion threshold is its own bucket, handed over unconcatenated. The
    sum is a `buffer_callback` whose outputs alias its inputs: the worker sums each bucket in
    place, in the very buffer XLA computed it in, so nothing is copied in or out and no fresh
-   output buffer is allocated. On a GPU the buckets are an ordered `io_callback`'s instead:
-   JAX copies them to the host and their sums back;
+   output buffer is allocated; across nodes each bucket is handed over by its own callback as
+   XLA computes it (gradient_sums.py says why that is safe). On a GPU the buckets are an ordered
+   `io_callback`'s instead: JAX copies them to the host and their sums back;
 3. metrics: every metric variable starts the step at zero; the increments of all ranks are
    summed and added to the state the metric had. Keras feeds its loss tracker the
    micro-batch's loss weighted by m, so the summed tracker holds the serial mean loss.
@@ -32,15 +33,17 @@ ordered `io_callback` that hands its job to the communicator's worker thread and
 ordered callbacks run in program order. The gradient sum is in no such chain (a
 `buffer_callback` has no ordered effect), so its inputs and outputs place it: it takes every
 gradient (a rank sending zeros passes them too, unread), which come after the opening and the
-loss's and backprop's callbacks, and the metric sum takes a piece of its result. The worker
-issues every collective of the process in one fixed order, so every rank issues the same
+loss's and backprop's callbacks, and the metric sum takes a piece of its result; per bucket,
+each hand-over also takes an ordered fence, after every ordered callback traced before it. The
+worker issues every collective of the process in one fixed order, so every rank issues the same
 collectives in the same order.
 
-The gradient sum runs after the whole backprop: it does not overlap with it as TensorFlow's and
-PyTorch's buckets do. A hand-over per bucket as XLA computes it, with one last callback waiting
-for the round, measured no faster on 2 ranks sharing 2 cores (0.98-1.02 of this step, MLP) and
-would rely on XLA never copying a buffer while the worker still writes it: not done. Two earlier forms cost more than the ring allreduce itself, for the MLP
-of benchmarks/scaling.py (40 MB of gradients): an `io_callback`, which JAX copies its arguments
+On one node the gradient sum runs after the whole backprop: handing each bucket over as XLA
+computes it measured no faster on 2 ranks sharing 2 cores, where backprop and the allreduce
+compete for the same cores; across nodes, where the link is slower than the cores, it overlaps
+backprop and won (docs/performance.md, "JAX: buckets as XLA computes them"). Two earlier forms
+of the single sum cost more than the ring allreduce itself, for the MLP of
+benchmarks/scaling.py (40 MB of gradients): an `io_callback`, which JAX copies its arguments
 into with a `device_put` (on a rank bound to a single core that copy waited for XLA's only
 thread, the one blocked in the callback: the job hung, tests/test_jax_backend.py runs such a
 job) and its results out of; then a `buffer_callback` writing into fresh output buffers, whose
@@ -153,7 +156,7 @@ class JaxStep(Step):
         self._reducer = reducer
         self._model = model
         self._threshold_bytes = threshold_bytes
-        self._bucket_sum = BucketSum(reducer, threshold_bytes)
+        self._bucket_sum = BucketSum(reducer, threshold_bytes, gradient_sums.hands_over_per_bucket())
         # A model's own stateless train_step or test_step (custom_step.py), else Keras' built-in one.
         self._custom = {kind: getattr(type(model), f"{kind}_step") is not getattr(keras.Model, f"{kind}_step")
                         for kind in ("train", "test")}

@@ -41,6 +41,7 @@ generators advance as every rank's (rows.py).
 import contextlib
 
 import keras
+import ml_dtypes
 import numpy as np
 import torch
 # Keras' torch backend computes BatchNormalization's moments here, and refuses synchronized=True;
@@ -74,12 +75,12 @@ class TorchStep(Step):
 
     @classmethod
     def collective_leaf(cls, name, leaf):
-        if isinstance(leaf, keras.Variable):
-            leaf = leaf.value.detach().cpu().numpy()  # its value as NumPy (and NumPy comes back)
+        if isinstance(leaf, (keras.Variable, torch.Tensor)):
+            leaf = _host_array(leaf)  # its value as NumPy (and NumPy comes back, as on JAX)
         if not isinstance(leaf, (np.ndarray, np.generic, int, float, complex, bool, type(None))):
-            raise NotImplementedError(
-                f"tnt.{name} does not take {type(leaf).__name__} values on Keras' PyTorch backend yet. Pass "
-                "NumPy arrays or numbers (e.g. tensor.detach().cpu().numpy()), or use the TensorFlow backend.")
+            raise TypeError(
+                f"tnt.{name} does not take {type(leaf).__name__} values on Keras' PyTorch backend. Pass torch "
+                "tensors, keras.Variables, NumPy arrays or numbers.")
         return leaf
 
     @classmethod
@@ -87,10 +88,7 @@ class TorchStep(Step):
         arrays = [None if g is None else _host_array(g) for g in grads]
         samples = None if num_samples is None else _host_array(num_samples)
         summed = loop_gradients.summed_gradients(reducer, threshold_bytes, ranks, arrays, samples, loss_reduction)
-        return [None if g is None else torch.from_numpy(np.ascontiguousarray(total)).to(
-                    device=g.device if isinstance(g, torch.Tensor) else None,
-                    dtype=g.dtype if isinstance(g, torch.Tensor) else None)
-                for g, total in zip(grads, summed)]
+        return [None if g is None else _tensor_like(total, g) for g, total in zip(grads, summed)]
 
     @classmethod
     def configure_devices(cls, share, threads):
@@ -497,12 +495,27 @@ def _metrics_description(metric_variables):
 
 
 def _host_array(value):
-    """A NumPy copy of a torch tensor, a Keras variable or a number."""
+    """A NumPy copy of a torch tensor, a Keras variable or a number; bfloat16 as ml_dtypes' bfloat16,
+    which torch's `numpy()` refuses."""
     if isinstance(value, keras.Variable):
         value = value.value
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
+        value = value.detach().cpu()
+        if value.dtype == torch.bfloat16:
+            return value.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return value.numpy()
     return np.asarray(value)
+
+
+def _tensor_like(array, like):
+    """NumPy `array` as a torch tensor on the device and of the dtype of `like` (where it is a tensor);
+    an ml_dtypes bfloat16 array, which `torch.from_numpy` refuses, through float32 (exact)."""
+    if array.dtype == ml_dtypes.bfloat16:
+        array = array.astype(np.float32)
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if isinstance(like, torch.Tensor):
+        return tensor.to(device=like.device, dtype=like.dtype)
+    return tensor
 
 
 def _zero(variables):
