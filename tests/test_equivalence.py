@@ -65,9 +65,11 @@ def test_gradient_accumulation_on_one_rank_is_serial_keras(backend, tmp_path):
 
 @BACKEND_TESTS
 @pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
-def test_a_fit_saved_and_loaded_inside_an_accumulation_cycle_goes_on_as_serial_keras(backend, tmp_path):
-    """The ranks' accumulators hold their own parts inside a cycle; at the end of fit the master holds
-    their sum, which the save writes, and after the load every other rank zeroes its copy."""
+def test_saves_inside_an_accumulation_cycle_write_serial_keras_accumulators(backend, tmp_path):
+    """Inside a cycle each rank's accumulators hold its own part. A ModelCheckpoint every 5 batches
+    and at the epoch's end, a BackupAndRestore every 7 batches (the master alone), save_weights on
+    every rank with tnt_save_all_devices=True after train_on_batch, and a save that a load and a
+    fit go on from: each file holds serial Keras' accumulators, and the fit ends as serial Keras'."""
     if importlib.util.find_spec(backend) is None:
         pytest.skip(f"{backend} is not installed")
     worker, env, ranks = WORKERS / "accumulation_save_load.py", {"KERAS_BACKEND": backend}, 3
@@ -80,3 +82,12 @@ def test_a_fit_saved_and_loaded_inside_an_accumulation_cycle_goes_on_as_serial_k
     accumulators = load_npz(serial / "accumulation-save-load.accumulators.npz")
     for key, value in load_npz(out / "accumulation-save-load.accumulators.npz").items():
         np.testing.assert_allclose(value, accumulators[key], rtol=1e-5, atol=1e-6, err_msg=f"{backend}, {key}")
+    saved = sorted(path.name for path in serial.glob("*.rank0.npz") if not path.name.startswith("accumulation"))
+    assert len(saved) == 5, saved
+    expected = [(name, 0) for name in saved] + [(n, r) for n in saved if n.startswith("saved-on-every-rank")
+                                                for r in range(1, ranks)]
+    for name, rank in expected:
+        in_serial = load_npz(serial / name)
+        for key, value in load_npz(out / name.replace(".rank0.", f".rank{rank}.")).items():
+            np.testing.assert_allclose(value, in_serial[key], rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{backend}, {name} on rank {rank}, {key}")

@@ -11,11 +11,13 @@ applies (sum over ranks + 0) / k, serial Keras' update. Every rank runs the same
 take the same micro-steps for update steps; the step's opening agrees on which (`described`).
 
 Inside a cycle the ranks' accumulators differ, and their sum over the ranks is serial Keras'
-accumulator. At the end of `fit` the master takes that sum and the other ranks zero theirs
-(`gather_on_master`), so a save after `fit` writes serial Keras' state; where every rank takes the
-master's state (the broadcast after compile, set_weights or a load), the other ranks zero theirs
-(`zero_accumulators`). A save or backup inside `fit`, or after `train_on_batch`, in the middle of a
-cycle holds the master's own part of the accumulators only.
+accumulator. Wherever a file may be written, the master first takes that sum and the other ranks
+zero theirs (`gather_on_master`, one allreduce on every rank, and nothing where no cycle is under
+way), so that what the master saves is serial Keras' state and the next update step still sums
+each part once: at the end of `fit`, before a save called on every rank, before each automatic
+backup, and before the master's own callbacks may save (model/callbacks.py). Where every rank takes
+the master's state (the broadcast after compile, set_weights, a load or a restored backup), the
+other ranks zero theirs (`count_on_master_only`).
 """
 
 import keras
@@ -80,20 +82,22 @@ def described(sequence, decisions):
             for entry in sequence]
 
 
-def zero_accumulators(optimizers):
-    """Zeroes every accumulator of the accumulating `optimizers` (on all ranks but the master, after
-    every rank took the master's state)."""
+def count_on_master_only(communicator, optimizers):
+    """Zeroes every accumulator of the accumulating `optimizers` on all ranks but the master, once
+    every rank holds the master's state: the master's accumulators then count once."""
+    if communicator.rank == MASTER_RANK:
+        return
     for optimizer in optimizers:
         if optimizer.built:
             for accumulator in optimizer._accumulated_gradients:
                 accumulator.assign(np.zeros(accumulator.shape, keras.backend.standardize_dtype(accumulator.dtype)))
 
 
-def gather_on_master(communicator, optimizers):
+def gather_on_master(communicator, optimizers, everywhere=False):
     """Where a cycle is under way, the master takes the sum over ranks of the accumulators, serial
-    Keras' accumulators, and the other ranks zero theirs (one allreduce, on every rank): at the end
-    of `fit`, so that what the master saves or hands out afterwards is serial Keras' state, and the
-    next update step still sums each part once."""
+    Keras' accumulators, and the other ranks zero theirs (one allreduce, on every rank). With
+    `everywhere`, every rank takes the sum, for a save that every rank writes; `count_on_master_only`
+    must follow it once written."""
     accumulating = [o for o in optimizers if o.built and int(o._iterations.numpy()) % steps(o)]
     variables = [a for o in accumulating for a in o._accumulated_gradients]
     if not variables:
@@ -101,8 +105,9 @@ def gather_on_master(communicator, optimizers):
     own = [np.asarray(v.numpy()) for v in variables]
     flat = np.concatenate([value.reshape(-1).astype(np.float64) for value in own])
     summed = communicator.allreduce_sum(flat, "the sum of the gradient accumulators")
+    keeps_sum = everywhere or communicator.rank == MASTER_RANK
     offset = 0
     for variable, value in zip(variables, own):
         total = summed[offset:offset + value.size].reshape(value.shape).astype(value.dtype)
-        variable.assign(total if communicator.rank == MASTER_RANK else np.zeros_like(total))
+        variable.assign(total if keeps_sum else np.zeros_like(total))
         offset += value.size

@@ -13,7 +13,6 @@ from keras.src import backend as keras_backend
 from tarantella.backends import accumulation
 from tarantella.data import global_batches, keras_batches, pipelines
 from tarantella.model import checks
-from tarantella.runtime import world
 
 logger = logging.getLogger("tarantella")
 
@@ -164,8 +163,7 @@ class Inputs:
         checks.check_same_compile_settings(self._comm, self)
         checks.check_same_variables_everywhere(self._comm, variables)
         checks.broadcast_from_master(self._comm, variables, "the broadcast of the master's weights")
-        if self._comm.rank != world.MASTER_RANK:  # the master's accumulated gradients count once (accumulation.py)
-            accumulation.zero_accumulators(self._step.locally_accumulating_optimizers())
+        accumulation.count_on_master_only(self._comm, self._step.locally_accumulating_optimizers())
         self._weights_synced = True
 
     def _use_masters_statistics(self):

@@ -12,7 +12,6 @@ import tensorflow as tf
 # Keras' validation_split, for arrays tarantella shuffles itself; tests/test_keras_internals.py checks it.
 from keras.src.trainers.data_adapters import array_slicing
 
-from tarantella.backends import accumulation
 from tarantella.data import global_batches, keras_batches, pipelines
 from tarantella.data.epoch_order import EpochOrder
 from tarantella.model.inputs import unknown_length_spec
@@ -157,8 +156,7 @@ class Loops:
         for callback in added:
             callback.history_returned(history)
         self._use_masters_statistics()
-        if self._distributed:
-            accumulation.gather_on_master(self._comm, self._step.locally_accumulating_optimizers())
+        self._serial_accumulators_on_master()
         events.fit_ended(self._comm)
         return history
 
