@@ -50,6 +50,10 @@ class Inputs:
             self._prepare(element_spec, kind)
 
     def _rows_of_batch(self, x, y, sample_weight, step):
+        """The rank's rows of the global batch that train_on_batch, test_on_batch or
+        predict_on_batch (`step`) was given: its step receives them cut already, even where an
+        earlier fit, evaluate or predict on arrays left the step cutting its rows itself."""
+        self._sources.record(step, by_keras=False, distributed_by_tarantella=False, model=self)
         if not self._distributed:
             return x, y, sample_weight
         batch = tf.nest.map_structure(

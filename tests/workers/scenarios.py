@@ -279,7 +279,8 @@ def xla_requested():
 
 def on_batch_methods():
     """train_on_batch/test_on_batch/predict_on_batch with one global batch given to every rank,
-    against the same calls on serial Keras in this process; then predict of one image."""
+    after fit, evaluate and predict on arrays (whose steps cut the rank's rows themselves), against
+    the same calls on serial Keras in this process; then predict of one image."""
     def conv_model():
         keras.utils.set_random_seed(8)
         return keras.Sequential([keras.Input((6, 6, 1)), keras.layers.Conv2D(3, 3, activation="relu"),
@@ -290,6 +291,10 @@ def on_batch_methods():
         m.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"])
     rng = np.random.default_rng(5)
     x, y = rng.normal(size=(7, 6, 6, 1)).astype("float32"), rng.integers(0, 4, 7)
+    for m in (serial, model):
+        m.fit(x, y, batch_size=3, epochs=1, shuffle=False, verbose=0)
+        m.evaluate(x, y, batch_size=3, verbose=0)
+        m.predict(x, batch_size=3, verbose=0)
     for _ in range(3):
         trained = [m.train_on_batch(x, y, return_dict=True) for m in (serial, model)]
     tested = [m.test_on_batch(x, y, return_dict=True) for m in (serial, model)]
