@@ -29,7 +29,8 @@ and judges the step-time ratios (b)/(a), (c)/(d), (c)/((d)+(ring)), (e)/(c), (ti
 allreduces per step (one opens each step; there is no switch) and times one.
 
 Every variant trains the same model from the same seed on the same random data (SGD,
-sparse categorical cross-entropy, accuracy). How noise is kept out:
+sparse categorical cross-entropy, accuracy; with BENCHMARK_GRADIENT_ACCUMULATION_STEPS=k in the
+environment, SGD accumulates k micro-steps per update, in every variant). How noise is kept out:
 - All variants of one model start together (benchmarks/scaling_worker.py) and stay alive;
   after tracing, each waits, taking no CPU, until told to run one timed window of a few
   steps. Only one variant runs at a time. Horovod's background thread runs a collective

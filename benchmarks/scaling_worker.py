@@ -372,7 +372,10 @@ def main():
     parameters = model.count_params()
     samples, labels = random_data(model, global_batch_size)
     batch_size = global_batch_size
-    optimizer = keras.optimizers.SGD(0.01)
+    # BENCHMARK_GRADIENT_ACCUMULATION_STEPS=k in the benchmark's environment (every variant's ranks
+    # inherit it): Keras' optimizer accumulates k micro-steps per update.
+    accumulation = int(os.environ.get("BENCHMARK_GRADIENT_ACCUMULATION_STEPS") or 0)
+    optimizer = keras.optimizers.SGD(0.01, **({"gradient_accumulation_steps": accumulation} if accumulation else {}))
     if args.variant in ("horovod", "split"):
         # Horovod leaves the data to the program: each rank feeds its share of every global batch.
         samples, labels = (rank_share(array, global_batch_size, rank, ranks) for array in (samples, labels))

@@ -29,6 +29,7 @@ import keras
 import numpy as np
 
 from tarantella import backends, saving
+from tarantella.backends import accumulation
 from tarantella.common import backup_files, config, rank_entry
 from tarantella.model import host_copy, loops
 from tarantella.runtime import world
@@ -92,7 +93,10 @@ class AutomaticBackups(keras.callbacks.Callback):
     def _backup(self, epoch, step, completed=False, wait=False):
         """The master snapshots the state in host memory (the step waits for this only) and writes
         it from a thread of its own; one backup at a time is in flight, and a later one waits for
-        the earlier, whose host arrays it reuses. With `wait`, returns once it is written."""
+        the earlier, whose host arrays it reuses. With `wait`, returns once it is written. Called on
+        every rank: inside a gradient accumulation cycle the master first takes serial Keras'
+        accumulators."""
+        self.model._serial_accumulators_on_master()
         if self._comm.rank != world.MASTER_RANK:
             return
         started = time.monotonic()
@@ -154,6 +158,7 @@ class AutomaticBackups(keras.callbacks.Callback):
                 "To start afresh, remove the backup folder.")
         for variable, array in zip(training, arrays):
             variable.assign(array)
+        accumulation.count_on_master_only(self._comm, self.model._step.locally_accumulating_optimizers())  # every rank read it
         self._epoch_logs = {int(e): logs for e, logs in header["history"].items()}
         self._latest_logs = header["logs"]
         if header["step"]:

@@ -10,7 +10,9 @@ progress bar, one CSV file, one checkpoint. `Callback` sets this for a user's ow
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
+import weakref
 from typing import Any
 
 import keras
@@ -193,13 +195,65 @@ class _WaitForMaster(keras.callbacks.Callback):
         self._wait("end of predict")
 
 
-def for_this_rank(callbacks, comm):
-    """The callbacks this rank passes to Keras, each set up to run where it should."""
+class _SerialAccumulatorsBeforeMastersSaves(keras.callbacks.Callback):
+    """First in the list on every rank where the model accumulates gradients and callbacks that
+    may save run on the master alone: before they run, the master takes serial Keras' accumulators
+    (backends/accumulation.py), at each epoch's end and at each batch where a ModelCheckpoint or
+    BackupAndRestore with an integer `save_freq` saves. Their own counters run on the master only,
+    so every rank counts with a copy of each (`_BatchSaves`)."""
+
+    def __init__(self, savers):
+        super().__init__()
+        self._batch_saves = [_BatchSaves.of(saver) for saver in savers
+                             if isinstance(saver, _SAVING) and isinstance(saver.save_freq, int)]
+
+    def on_train_batch_end(self, batch, logs=None):
+        decisions = [saves.at(batch) for saves in self._batch_saves]  # every counter advances
+        if any(decisions):
+            self.model._serial_accumulators_on_master()
+
+    def on_epoch_end(self, epoch, logs=None):
+        for saves in self._batch_saves:
+            saves.epoch_ended()
+        self.model._serial_accumulators_on_master()
+
+
+class _BatchSaves:
+    """When a ModelCheckpoint or BackupAndRestore with an integer `save_freq` saves inside an
+    epoch, told on every rank: Keras' own count (`_should_save_on_batch`) run on a copy of the
+    callback, one copy per callback for the life of the program, as the callback's own counters
+    live. tests/test_keras_internals.py checks that the copy decides as the callback does."""
+
+    _copies = weakref.WeakKeyDictionary()
+
+    def __init__(self, saver):
+        self._counter = copy.copy(saver)
+
+    @classmethod
+    def of(cls, saver):
+        if saver not in cls._copies:
+            cls._copies[saver] = cls(saver)
+        return cls._copies[saver]
+
+    def at(self, batch):
+        return self._counter._should_save_on_batch(batch)
+
+    def epoch_ended(self):
+        if isinstance(self._counter, keras.callbacks.BackupAndRestore):
+            self._counter._last_batch_seen = 0  # as its on_epoch_end does
+
+
+def for_this_rank(callbacks, comm, accumulating=False):
+    """The callbacks this rank passes to Keras, each set up to run where it should (`accumulating`:
+    the model accumulates gradients inside cycles of micro-steps without summing them)."""
     rank = comm.rank
     chosen, master_alone = [], False
+    masters_savers = []  # the callbacks the master alone runs that may save
     for callback in callbacks or []:
         wrapped = callback if isinstance(callback, Callback) else Callback(callback)
         inner = wrapped.callback
+        if not (wrapped.run_on_all_ranks or isinstance(inner, _PRINTING_OR_WRITING)):
+            masters_savers.append(inner)
         if isinstance(inner, keras.callbacks.BackupAndRestore):
             chosen.append(_MastersBackupAndRestore(inner))
             master_alone = True
@@ -220,6 +274,8 @@ def for_this_rank(callbacks, comm):
                 chosen.append(wrapped if needs_wrapper else inner)
     if master_alone and comm.size > 1:
         chosen.append(_WaitForMaster(comm))
+        if accumulating and masters_savers:
+            chosen.insert(0, _SerialAccumulatorsBeforeMastersSaves(masters_savers))
     return chosen
 
 

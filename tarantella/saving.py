@@ -46,6 +46,11 @@ def master_alone(in_background=False):
         _master_alone, _in_background = previous
 
 
+def every_rank_saves():
+    """Whether a save now is called on every rank (not by a master-only callback)."""
+    return not _master_alone
+
+
 def start_writer_thread(target, args, name):
     """Starts a thread that writes while training goes on, at the lowest CPU priority: it takes the
     time the ranks leave a core idle instead of slowing the step where every core computes."""

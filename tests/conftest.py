@@ -72,6 +72,24 @@ def assert_ranks_like_serial(serial_dir, out, cases, ranks, backend="", weights_
                     np.testing.assert_allclose(result[key], serial[key], rtol=1e-5, atol=1e-7, err_msg=context)
 
 
+def assert_accumulation_sums_once_per_cycle(serial_dir, out, ranks):
+    """The case mlp-accumulation of tests/workers/train_cases.py (gradient_accumulation_steps=k): each
+    rank collected one gradient round per k micro-steps (none on 1 rank, which sums nothing), and the
+    master's accumulators after fit, in the middle of a cycle, are serial Keras' own."""
+    from workers.train_cases import ACCUMULATION_STEPS, SAMPLES
+    case = "mlp-accumulation"
+    micro_steps = 2 * -(-SAMPLES // 2)  # two epochs of global batches of 2
+    expected = 0 if ranks == 1 else micro_steps // ACCUMULATION_STEPS
+    for rank in range(ranks):
+        assert (out / f"{case}.rank{rank}.rounds").read_text() == str(expected), f"rank {rank} of {ranks}"
+    serial = load_npz(serial_dir / f"{case}.accumulators.npz")
+    master = load_npz(out / f"{case}.accumulators.npz")
+    assert any(np.abs(value).max() > 0 for value in serial.values()), "the fit should end inside a cycle"
+    for key in serial:
+        np.testing.assert_allclose(master[key], serial[key], rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{case}, accumulator {key}, {ranks} ranks")
+
+
 def assert_saved_synchronized_model_trains_on_like_serial(backend, ranks, folder, weights_rtol=0.0):
     """A file that tnt.Model.save wrote on `ranks` ranks from a model with synchronized
     BatchNormalization loads with keras.models.load_model on every rank and in a process without

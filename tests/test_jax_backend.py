@@ -3,7 +3,8 @@
 The ranks run tests/workers/train_cases.py (the equivalence matrix's worker) with
 KERAS_BACKEND=jax, against the same worker run serially on JAX, at test_equivalence.py's
 tolerances. The default slice covers even, uneven (global batch 71 on 2 ranks) and empty
-micro-batches (batch 2: the last global batch of 1 sample leaves rank 1 without one), and the
+micro-batches (batch 2: the last global batch of 1 sample leaves rank 1 without one), Keras'
+gradient accumulation (one gradient round per accumulation cycle, batch 2), and the
 refusals, synchronized BatchNormalization (one dense layer, 2 ranks; and a conv net saved with it,
 loaded by Keras and by tnt.models.load_model and trained on), two of the masked and
 summed losses of tests/workers/real_models.py on 2 ranks, callbacks with saving and loading
@@ -30,7 +31,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from conftest import (WORKERS, assert_ok, assert_ranks_like_serial,
+from conftest import (WORKERS, assert_accumulation_sums_once_per_cycle, assert_ok, assert_ranks_like_serial,
                       assert_saved_synchronized_model_trains_on_like_serial, launch, launcher_command, load_npz,
                       quiet_env, refusals_by_rank, run_python)
 from test_equivalence import UNEVEN_SPLIT_CASES
@@ -49,7 +50,7 @@ WORKER = WORKERS / "train_cases.py"
 REAL_MODELS_WORKER = WORKERS / "real_models.py"
 SYNC_BN_WORKER = WORKERS / "synchronized_batch_norm.py"
 JAX = {"KERAS_BACKEND": "jax"}
-DEFAULT_CASES = ["mlp-adam", "mlp-batch71", "mlp-batch2"]
+DEFAULT_CASES = ["mlp-adam", "mlp-batch71", "mlp-batch2", "mlp-accumulation"]
 # steps_per_execution > 1 is refused for predict on JAX with several ranks (see docs/guide.md).
 JAX_CASES = [case for case in CASES if case != "mlp-steps-per-execution"]
 CASES_BY_RANKS = {2: JAX_CASES if ALL else DEFAULT_CASES,
@@ -82,6 +83,7 @@ def test_ranks_train_like_serial_keras_on_jax(ranks, serial_dir, scratch):
     cases = CASES_BY_RANKS[ranks]
     assert_ok(launch(ranks, WORKER, "--mode", "tnt", "--out", out, "--cases", ",".join(cases), env=JAX))
     assert_ranks_like_serial(serial_dir, out, cases, ranks, "JAX")
+    assert_accumulation_sums_once_per_cycle(serial_dir, out, ranks)
 
 
 def test_buckets_handed_over_as_xla_computes_them_train_bitwise_like_buckets_summed_after_backprop(serial_dir,
@@ -89,8 +91,9 @@ def test_buckets_handed_over_as_xla_computes_them_train_bitwise_like_buckets_sum
     """TNT_JAX_GRADIENT_HANDOVER=per-bucket (each bucket to the worker as XLA computes it, the automatic
     form across nodes) against after-backprop (one callback after backprop, the form on one node), on
     2 ranks with 1 KiB buckets (fused and single gradients): the same sums, bit for bit, and serial
-    Keras-on-JAX's results; mlp-batch2 leaves a rank without samples, which sums after backprop."""
-    cases = DEFAULT_CASES
+    Keras-on-JAX's results; mlp-batch2 leaves a rank without samples, which sums after backprop, and
+    mlp-accumulation hands buckets over on update steps only."""
+    cases = ["mlp-adam", "mlp-batch2", "mlp-accumulation"]
     outs = {}
     for form in ("per-bucket", "after-backprop"):
         outs[form] = scratch / f"jax-handover-{form}"

@@ -297,3 +297,78 @@ def test_a_held_tensorflow_read_is_not_changed_by_later_updates():
     np.testing.assert_array_equal(in_place, before)
     np.testing.assert_array_equal(np.asarray(held), before)
     assert not np.array_equal(variable.numpy(), before)
+
+
+def test_an_accumulating_optimizer_adds_unscaled_gradients_and_applies_their_mean_as_accumulation_assumes():
+    """backends/accumulation.py: Keras' optimizer decides an update step by (iterations + 1) % k, keeps
+    one accumulator per variable (`_accumulated_gradients[_get_variable_index(v)]`) of gradients
+    divided by `loss_scale_factor`, and on the update step applies (gradient + accumulator) / k."""
+    from tarantella.backends import accumulation
+    variable = keras.Variable(np.zeros(2, "float32"))
+    optimizer = keras.optimizers.SGD(1.0, gradient_accumulation_steps=2, loss_scale_factor=4.0)
+    optimizer.build([variable])
+    assert accumulation.steps(optimizer) == 2
+    assert not accumulation.is_update_step(int(optimizer._iterations.numpy()), 2)
+    optimizer.apply([np.array([4.0, 8.0], "float32")], [variable])
+    [accumulator] = accumulation.accumulators(optimizer, [variable])
+    np.testing.assert_array_equal(accumulator.numpy(), [1.0, 2.0])
+    np.testing.assert_array_equal(variable.numpy(), [0.0, 0.0])
+    assert accumulation.is_update_step(int(optimizer._iterations.numpy()), 2)
+    # What a rank sends on the update step: its gradient and its accumulator in the gradients' scale.
+    sent = np.array([4.0, 4.0], "float32") + np.asarray(accumulation.in_gradient_scale(accumulator.numpy(), optimizer))
+    accumulator.assign(np.zeros(2, "float32"))
+    optimizer.apply([sent], [variable])
+    np.testing.assert_allclose(variable.numpy(), [-1.0, -1.5])  # serially: -([4, 8] / 4 + [4, 4] / 4) / 2
+    np.testing.assert_array_equal(accumulator.numpy(), [0.0, 0.0])
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_a_copy_of_a_checkpoint_callback_counts_the_batches_it_saves_at_as_the_callback_does(tmp_path,
+                                                                                            steps_per_execution):
+    """callbacks._BatchSaves runs Keras' `_should_save_on_batch` on a copy of a ModelCheckpoint or
+    BackupAndRestore (and resets BackupAndRestore's `_last_batch_seen` at an epoch's end, as it
+    does), so that every rank knows where the master's callback saves. Two fits of 2 epochs of 7
+    batches: the copies must name the very batches the callbacks saved at."""
+    from tarantella import callbacks
+
+    saved = []
+
+    class Checkpoint(keras.callbacks.ModelCheckpoint):
+        def _save_model(self, epoch, batch, logs):
+            if batch is not None:
+                saved.append(("checkpoint", epoch, batch))
+
+    class Backup(keras.callbacks.BackupAndRestore):
+        def _save_model(self):
+            saved.append(("backup", self._current_epoch, self._last_batch_seen))
+
+    savers = [Checkpoint(str(tmp_path / "c.keras"), save_freq=4), Backup(str(tmp_path / "b"), save_freq=5)]
+    predicted = []
+
+    class Predicting(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.copies = [callbacks._BatchSaves.of(saver) for saver in savers]
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            for name, copy in zip(("checkpoint", "backup"), self.copies):
+                if copy.at(batch):
+                    predicted.append((name, self.epoch, batch))
+
+        def on_epoch_end(self, epoch, logs=None):
+            for copy in self.copies:
+                copy.epoch_ended()
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse", steps_per_execution=steps_per_execution)
+    x, y = np.zeros((14, 2), "float32"), np.zeros((14, 1), "float32")
+    for _ in range(2):
+        model.fit(x, y, batch_size=2, epochs=2, verbose=0, callbacks=[Predicting(), *savers])
+    actual = [(name, epoch if name == "checkpoint" else None, batch if name == "checkpoint" else None)
+              for name, epoch, batch in saved]
+    expected = [(name, epoch if name == "checkpoint" else None, batch if name == "checkpoint" else None)
+                for name, epoch, batch in predicted]
+    assert len(saved) >= 6 and expected == actual, (predicted, saved)

@@ -4,7 +4,8 @@ The ranks run tests/workers/train_cases.py (the equivalence matrix's worker) and
 tests/workers/torch_cases.py (DataLoader and NumPy inputs, masked and non-mean losses,
 train_on_batch, saving and loading, ModelCheckpoint and EarlyStopping) with KERAS_BACKEND=torch, against
 the same workers run serially on torch, at test_equivalence.py's tolerances: even, uneven
-(global batch 71) and empty micro-batches (batch 2), a tuple input, LeNet-5, a 1 MiB gradient
+(global batch 71) and empty micro-batches (batch 2), Keras' gradient accumulation on 3 ranks (one
+gradient round per accumulation cycle), a tuple input, LeNet-5, a 1 MiB gradient
 (the ring allreduce), synchronized BatchNormalization (tests/workers/synchronized_batch_norm.py; a
 model saved with it, loaded by Keras and by tnt.models.load_model and trained on: 2 ranks, and 1 and
 3 with TNT_BACKEND_TESTS=1).
@@ -28,7 +29,7 @@ import re
 
 import pytest
 
-from conftest import (WORKERS, assert_ok, assert_ranks_like_serial,
+from conftest import (WORKERS, assert_accumulation_sums_once_per_cycle, assert_ok, assert_ranks_like_serial,
                       assert_saved_synchronized_model_trains_on_like_serial, launch, load_npz, refusals_by_rank,
                       run_python)
 from test_equivalence import UNEVEN_SPLIT_CASES
@@ -52,7 +53,8 @@ needs_all = pytest.mark.skipif(not ALL, reason="the whole torch matrix runs with
 # case on 2 ranks, and on 3 ranks also the uneven-split ones of tests/test_equivalence.py.
 TORCH_TRAIN_CASES = [case for case in TRAIN_CASE_NAMES if case != "mlp-steps-per-execution"]
 DEFAULT_TRAIN_CASES = {2: ["mlp-adam", "mlp-batch71", "mlp-batch2", "tuple-adam", "wide-mlp-adam"],
-                       3: ["mlp-batch71", "mlp-batch2", "lenet5-momentum", "mlp-shuffle-without-seed"]}
+                       3: ["mlp-batch71", "mlp-batch2", "lenet5-momentum", "mlp-shuffle-without-seed",
+                           "mlp-accumulation"]}
 TRAIN_CASES = DEFAULT_TRAIN_CASES if not ALL else {
     2: TORCH_TRAIN_CASES,
     3: DEFAULT_TRAIN_CASES[3] + [case for case in UNEVEN_SPLIT_CASES
@@ -88,6 +90,8 @@ def test_ranks_train_like_serial_keras_on_torch(ranks, serial_dir, scratch):
                          ",".join(cases[ranks]), env=TORCH))
         assert not list(out.glob(".tnt-partial*")), "a save left a partial file"
         assert_ranks_like_serial(serial_dir, out, cases[ranks], ranks, "torch")
+    if "mlp-accumulation" in TRAIN_CASES[ranks]:
+        assert_accumulation_sums_once_per_cycle(serial_dir, out, ranks)
 
 
 @pytest.mark.parametrize("ranks", [2, pytest.param(1, marks=needs_all), pytest.param(3, marks=needs_all)])

@@ -11,6 +11,8 @@ import abc
 
 import numpy as np
 
+from tarantella.backends import accumulation
+
 
 class Step(abc.ABC):
     """A backend's global step: the wrapped model's Keras steps, run on each rank's micro-batch and
@@ -141,6 +143,12 @@ class Step(abc.ABC):
     @abc.abstractmethod
     def optimizers(self):
         """Every optimizer the wrapped model holds, whose gradients the step sums."""
+
+    def locally_accumulating_optimizers(self):
+        """The optimizers whose gradient accumulators hold this rank's own part of serial Keras'
+        (backends/accumulation.py): those whose micro-steps the step does not sum. Default: every
+        accumulating optimizer the model holds."""
+        return [o for o in self.optimizers() if accumulation.steps(o)]
 
     @abc.abstractmethod
     def wrap_function(self, kind, function):

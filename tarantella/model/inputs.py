@@ -10,6 +10,7 @@ import tensorflow as tf
 # How Keras' trainers build a model from symbolic inputs; tests/test_keras_internals.py checks it.
 from keras.src import backend as keras_backend
 
+from tarantella.backends import accumulation
 from tarantella.data import global_batches, keras_batches, pipelines
 from tarantella.model import checks
 
@@ -166,6 +167,7 @@ class Inputs:
         checks.check_same_compile_settings(self._comm, self)
         checks.check_same_variables_everywhere(self._comm, variables)
         checks.broadcast_from_master(self._comm, variables, "the broadcast of the master's weights")
+        accumulation.count_on_master_only(self._comm, self._step.locally_accumulating_optimizers())
         self._weights_synced = True
 
     def _use_masters_statistics(self):

@@ -156,6 +156,7 @@ class Loops:
         for callback in added:
             callback.history_returned(history)
         self._use_masters_statistics()
+        self._serial_accumulators_on_master()
         events.fit_ended(self._comm)
         return history
 

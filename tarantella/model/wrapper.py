@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from tarantella import backends, saving
+from tarantella.backends import accumulation
 from tarantella import callbacks as callbacks_module
 from tarantella.common import config
 from tarantella.model import batch_normalization, checks, host_copy
@@ -237,10 +238,12 @@ class Model(Loops, Inputs, keras.Model):
             ValueError: `filepath` is a remote URL.
             FileExistsError: `overwrite=False` and the file exists.
         """
-        saving.write_whole(
-            filepath, lambda partial: batch_normalization.save_as_serial_keras(self._keras_model, partial, **kwargs),
-            overwrite, tnt_save_all_devices,
-            frozen_write=lambda: host_copy.frozen_write(self._keras_model, lambda copy, path: copy.save(path, **kwargs)))
+        with self._serial_accumulators_for_save(tnt_save_all_devices):
+            saving.write_whole(
+                filepath, lambda partial: batch_normalization.save_as_serial_keras(self._keras_model, partial, **kwargs),
+                overwrite, tnt_save_all_devices,
+                frozen_write=lambda: host_copy.frozen_write(self._keras_model,
+                                                            lambda copy, path: copy.save(path, **kwargs)))
 
     def save_weights(self, filepath: str | os.PathLike, overwrite: bool = True, tnt_save_all_devices: bool = False,
                      max_shard_size: int | float | None = None) -> None:
@@ -261,8 +264,31 @@ class Model(Loops, Inputs, keras.Model):
         if max_shard_size is not None:
             raise ValueError("tnt.Model.save_weights writes one file, which appears whole or not at all; "
                              "sharded saving (max_shard_size=) is not supported. Leave max_shard_size unset.")
-        saving.write_whole(filepath, self._keras_model.save_weights, overwrite, tnt_save_all_devices,
-                           frozen_write=lambda: host_copy.frozen_write(self._keras_model, keras.Model.save_weights))
+        with self._serial_accumulators_for_save(tnt_save_all_devices):
+            saving.write_whole(filepath, self._keras_model.save_weights, overwrite, tnt_save_all_devices,
+                               frozen_write=lambda: host_copy.frozen_write(self._keras_model, keras.Model.save_weights))
+
+    def _serial_accumulators_on_master(self):
+        """Where gradient accumulation is inside a cycle, the master takes serial Keras'
+        accumulators (backends/accumulation.py); called on every rank, before the master may save."""
+        if self._distributed:
+            accumulation.gather_on_master(self._comm, self._step.locally_accumulating_optimizers())
+
+    @contextlib.contextmanager
+    def _serial_accumulators_for_save(self, every_rank_writes):
+        """A save called on every rank writes serial Keras' accumulators: the master's, or, where
+        every rank writes, every rank's until the file is written. A master-only callback's save
+        finds them on the master already (callbacks.py)."""
+        if not self._distributed or not saving.every_rank_saves():
+            yield
+            return
+        optimizers = self._step.locally_accumulating_optimizers()
+        accumulation.gather_on_master(self._comm, optimizers, everywhere=every_rank_writes)
+        try:
+            yield
+        finally:
+            if every_rank_writes:
+                accumulation.count_on_master_only(self._comm, optimizers)
 
     def load_weights(self, filepath: str | os.PathLike, skip_mismatch: bool = False, **kwargs: Any) -> None:
         """Every rank reads the file (it must be visible to all); once compiled, the optimizer state too.
@@ -276,6 +302,8 @@ class Model(Loops, Inputs, keras.Model):
         if self.compiled and self.built and optimizer is not None and not optimizer.built:
             optimizer.build(self.trainable_variables)  # else the saved optimizer state is skipped
         self._keras_model.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+        # At once: a BackupAndRestore loads inside fit, after the step's broadcast of the master's state.
+        accumulation.count_on_master_only(self._comm, self._step.locally_accumulating_optimizers())
         self._weights_synced = False
 
     # -- compile, fit, evaluate, predict -----------------------------------------------
@@ -382,7 +410,8 @@ class Model(Loops, Inputs, keras.Model):
             raise RuntimeError(f"Call model.compile(optimizer, loss, metrics) before model.{method}().")
 
     def _callbacks_for_this_rank(self, user_callbacks):
-        chosen = callbacks_module.for_this_rank(user_callbacks, self._comm)
+        chosen = callbacks_module.for_this_rank(user_callbacks, self._comm,
+                                                accumulating=bool(self._step.locally_accumulating_optimizers()))
         wants_local = any(isinstance(c, callbacks_module.Callback) and not c.aggregate_logs for c in chosen)
         if wants_local:
             self._step.refuse_unless("rank_local_logs",

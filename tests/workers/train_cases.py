@@ -24,6 +24,11 @@ OPTIMIZERS = {
     "adamax": lambda k: k.optimizers.Adamax(0.01),
     "nadam": lambda k: k.optimizers.Nadam(0.01),
 }
+ACCUMULATION_STEPS = 3
+# Optimizers of the cases below only.
+OTHER_OPTIMIZERS = {
+    "adam-accumulation": lambda k: k.optimizers.Adam(0.01, gradient_accumulation_steps=ACCUMULATION_STEPS),
+}
 
 
 def build_mlp(keras):
@@ -115,7 +120,26 @@ CASES.update({
     "mlp-batch2": ("mlp", "sgd", 2, 7, False),
     "mlp-shuffle-without-seed": ("mlp", "adam", 64, None, True),
     "mlp-steps-per-execution": ("mlp", "nesterov", 16, 7, True, {"steps_per_execution": 3}),
+    # Global batches of 2 (68 per epoch, the last of 1): 1/1 and 1/0 on 2 ranks, 1/1/0 on 3; accumulation
+    # cycles of 3 cross the epochs' ends.
+    "mlp-accumulation": ("mlp", "adam-accumulation", 2, 7, True),
 })
+
+
+def count_gradient_rounds():
+    """From now on, GRADIENT_ROUNDS counts the gradient rounds this rank's steps collect (tnt mode)."""
+    from tarantella.runtime import world
+    reducer = world.gradient_reducer()
+    collect = reducer.collect
+
+    def counted_collect():
+        GRADIENT_ROUNDS[0] += 1
+        return collect()
+
+    reducer.collect = counted_collect
+
+
+GRADIENT_ROUNDS = [0]  # the rounds this rank collected so far (tnt mode)
 
 
 def run_case(name, mode, out_dir, verbose=0):
@@ -129,9 +153,10 @@ def run_case(name, mode, out_dir, verbose=0):
     if mode == "tnt":
         import tarantella as tnt
         model = tnt.Model(model)
-    model.compile(OPTIMIZERS[optimizer_name](keras), "sparse_categorical_crossentropy",
+    model.compile({**OPTIMIZERS, **OTHER_OPTIMIZERS}[optimizer_name](keras), "sparse_categorical_crossentropy",
                   metrics=["sparse_categorical_accuracy"], **(compile_args[0] if compile_args else {}))
     data = lambda: make_data(np, tf, model_name, batch_size, shuffle_seed, map_before_batch)
+    rounds_before = GRADIENT_ROUNDS[0] if mode == "tnt" else 0
     arrays = {}
     if name in OPTIMIZER_ONLY_CASES:
         history = model.fit(data(), epochs=2, verbose=verbose)
@@ -140,6 +165,13 @@ def run_case(name, mode, out_dir, verbose=0):
         arrays["evaluation"] = np.array(model.evaluate(data(), verbose=0))
         arrays["predictions"] = model.predict(data(), verbose=0)
     rank = tnt.get_rank() if mode == "tnt" else 0
+    optimizer = model.optimizer
+    if optimizer.gradient_accumulation_steps and rank == 0:  # a cycle under way: serial Keras' sums
+        np.savez(os.path.join(out_dir, f"{name}.accumulators.npz"),
+                 *[np.array(a.numpy()) for a in optimizer._accumulated_gradients])
+    if mode == "tnt":
+        with open(os.path.join(out_dir, f"{name}.rank{rank}.rounds"), "w") as rounds:
+            rounds.write(str(GRADIENT_ROUNDS[0] - rounds_before))
     arrays.update({f"weight_{i}": w for i, w in enumerate(model.get_weights())})
     arrays.update({f"history_{key}": np.array(values) for key, values in history.history.items()})
     np.savez(os.path.join(out_dir, f"{name}.rank{rank}.npz"), **arrays)
@@ -154,6 +186,7 @@ def main():
     args = parser.parse_args()
     if args.mode == "tnt":
         import tarantella  # noqa: F401  (before TensorFlow runs, as users should)
+        count_gradient_rounds()
     for name in args.cases.split(","):
         run_case(name, args.mode, args.out, args.verbose)
 

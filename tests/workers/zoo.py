@@ -903,11 +903,24 @@ def _multilabel(keras, np, rng):
 # -- models without call() --------------------------------------------------------------------------
 
 
-@case("distiller-train-step-without-call", ranks=(2, 3), save_load=False,
-      not_on={backend: f"its train_step(self, data) differentiates with tf.GradientTape: serial Keras-on-{name} "
+_TAPE_ONLY = {backend: f"its train_step(self, data) differentiates with tf.GradientTape: serial Keras-on-{name} "
                        "cannot run it (tarantella runs a custom step written for the backend, "
-                       "tests/first_contact/custom_fit_*.py)" for backend, name in (("jax", "JAX"), ("torch", "PyTorch"))})
+                       "tests/first_contact/custom_fit_*.py)"
+              for backend, name in (("jax", "JAX"), ("torch", "PyTorch"))}
+
+
+@case("distiller-train-step-without-call", ranks=(2, 3), save_load=False, not_on=_TAPE_ONLY)
 def _distiller(keras, np, rng):
+    return distiller_spec(keras, np, rng, keras.optimizers.Adam(1e-2))
+
+
+# An overridden train_step whose optimizer accumulates: on TensorFlow it too sums once per 3 micro-steps.
+@case("distiller-train-step-gradient-accumulation", ranks=(2, 3), save_load=False, not_on=_TAPE_ONLY)
+def _distiller_accumulating(keras, np, rng):
+    return distiller_spec(keras, np, rng, keras.optimizers.Adam(1e-2, gradient_accumulation_steps=3))
+
+
+def distiller_spec(keras, np, rng, optimizer):
     import tensorflow as tf
     ops = keras.ops
 
@@ -958,7 +971,7 @@ def _distiller(keras, np, rng):
     teacher.trainable = False
     features = rng.normal(size=(SAMPLES + VALIDATION_SAMPLES, 8)).astype("float32")
     spec = classification(keras, np, rng, features, 3, Distiller(classifier(8), teacher), None)
-    spec["compile"] = dict(optimizer=keras.optimizers.Adam(1e-2),
+    spec["compile"] = dict(optimizer=optimizer,
                            metrics=[keras.metrics.SparseCategoricalAccuracy()], student_loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                            distillation_loss_fn=keras.losses.KLDivergence(), alpha=0.1, temperature=3)
     del spec["predict"]  # no call(): the model has no forward pass to predict with (nor serially)

@@ -52,7 +52,7 @@ class BucketSum:
         self._in_host_memory = jax.default_backend() == "cpu"
         self._per_bucket = per_bucket and self._in_host_memory
 
-    def __call__(self, grads, contributes, sequence=None, after=()):
+    def __call__(self, grads, contributes, sequence=None, after=(), only_if=None):
         """The sum over ranks of `grads` (arrays), and one summed element that later collectives
         take as an input, so that they run after this one (None where nothing was summed).
 
@@ -63,6 +63,8 @@ class BucketSum:
             sequence: the step's list of collectives, which its opening agreed on; None: the
                 round agrees on its own buckets (a custom loop, which has no opening).
             after: arrays the sum receives unread, to run after what computes them.
+            only_if: a traced bool; where False, the round is skipped and `grads` come back as
+                they are (a micro-step of gradient accumulation, backends/accumulation.py).
         """
         wire = [g.astype(fusion.wire_dtype(g.dtype.name)) for g in grads]
         layout = fusion.BucketLayout([g.size for g in wire], [g.dtype.name for g in wire], self._threshold_bytes,
@@ -74,20 +76,24 @@ class BucketSum:
                    for bucket in members]
         # A rank that sends zeros passes its gradients too, unread: they stay after backprop's callbacks.
         waited_for = tuple(after) + (() if contributes else tuple(buckets))
+        if only_if is not None:  # the last input, which the callback reads
+            waited_for += (jnp.asarray(only_if, jnp.bool_),)
         if not contributes:
             buckets = [jnp.zeros_like(b) for b in buckets]
         agreed = sequence is not None
         if agreed:
             sequence.append(fusion.round_description(layout.names()))
         specs = [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buckets]
+        conditional = only_if is not None
         if self._per_bucket and contributes:
-            summed = self._sum_as_computed(buckets, agreed, after)
+            summed = self._sum_as_computed(buckets, agreed, after, waited_for[-1:] if conditional else ())
         elif self._in_host_memory:
-            summed = buffer_callback(functools.partial(self._sum_in_place, agreed), specs, has_side_effect=True,
+            summed = buffer_callback(functools.partial(self._sum_in_place, agreed, conditional), specs,
+                                     has_side_effect=True,
                                      input_output_aliases={i: i for i in range(len(buckets))})(*buckets, *waited_for)
         else:  # a GPU's buffers: JAX copies the buckets to the host and the sums back
-            summed = io_callback(functools.partial(self._sum_copies, agreed, len(buckets)), specs, *buckets,
-                                 *waited_for, ordered=True)
+            summed = io_callback(functools.partial(self._sum_copies, agreed, only_if is not None, len(buckets)), specs,
+                                 *buckets, *waited_for, ordered=True)
         result = list(grads)
         for (_, _, bucket_members), total in zip(layout.buckets, summed):
             if len(bucket_members) == 1:
@@ -104,29 +110,39 @@ class BucketSum:
             _fence(token)
         return summed
 
-    def _sum_as_computed(self, buckets, agreed, after):
+    def _sum_as_computed(self, buckets, agreed, after, only_if):
         """The sums of `buckets`, each handed to the worker by its own callback as soon as XLA has
-        computed it; one last callback, whose outputs alias the buckets, waits for the round."""
+        computed it; one last callback, whose outputs alias the buckets, waits for the round
+        (`only_if`: () or a traced bool as one element; where False, nothing is handed over)."""
         # A bucket's callback is in no ordered chain: a fence runs every ordered callback traced
         # before the sum (the opening, loss divisors, synchronized BatchNormalization's backward
         # allreduces) before the first hand-over, as the worker must issue their collectives first.
-        ordered_before = (_fence(),) + tuple(after)
+        ordered_before = (_fence(),) + tuple(after) + tuple(only_if)
         count = len(buckets)
-        handed = [buffer_callback(functools.partial(self._hand_over, index, count, agreed),
+        conditional = bool(only_if)
+        handed = [buffer_callback(functools.partial(self._hand_over, index, count, agreed, conditional),
                                   jax.ShapeDtypeStruct(bucket.shape, bucket.dtype), has_side_effect=True,
                                   input_output_aliases={0: 0})(bucket, *ordered_before)
                   for index, bucket in enumerate(buckets)]
-        return buffer_callback(self._wait_for_round, [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in handed],
-                               has_side_effect=True, input_output_aliases={i: i for i in range(count)})(*handed)
+        return buffer_callback(functools.partial(self._wait_for_round, conditional),
+                               [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in handed], has_side_effect=True,
+                               input_output_aliases={i: i for i in range(count)})(*handed, *only_if)
 
-    def _hand_over(self, index, count, agreed, context, bucket, *unread):
-        """Hands bucket `index` to the worker, which sums it in XLA's buffer after this returns."""
+    def _hand_over(self, index, count, agreed, conditional, context, bucket, *unread):
+        """Hands bucket `index` to the worker, which sums it in XLA's buffer after this returns
+        (`conditional`: unless the last input is False)."""
+        if conditional and not np.asarray(unread[-1]):
+            return
         self._reducer.submit(index, count, np.asarray(bucket).reshape(-1), agreed=agreed)
 
-    def _wait_for_round(self, context, sums, *handed):
+    def _wait_for_round(self, conditional, context, sums, *handed):
         """Waits until the worker has summed every bucket. XLA gave each hand-over's output buffer
         to this callback's input and output (the same addresses) without copying it while the
         worker wrote it; should a version of XLA ever copy it, the sums are not trusted: stop."""
+        if conditional:
+            handed, summing = handed[:-1], np.asarray(handed[-1])
+            if not summing:
+                return
         summed = self._reducer.collect()
         for index, (total, bucket, worked_on) in enumerate(zip(sums, handed, summed)):
             addresses = {_address(np.asarray(total)), _address(np.asarray(bucket)), _address(worked_on)}
@@ -137,16 +153,20 @@ class BucketSum:
                     "gradients cannot be trusted. Set TNT_JAX_GRADIENT_HANDOVER=after-backprop for the job, and "
                     "please report this tarantella bug with your JAX version.")
 
-    def _sum_in_place(self, agreed, context, sums, *buckets_and_unread):
+    def _sum_in_place(self, agreed, conditional, context, sums, *buckets_and_unread):
         """Sums every bucket over ranks where it lies: each of `sums` is XLA's buffer of its
-        bucket, valid while this runs."""
+        bucket, valid while this runs (`conditional`: unless the last input is False)."""
+        if conditional and not np.asarray(buckets_and_unread[-1]):
+            return
         self.sum_flat([np.asarray(total).reshape(-1) for total in sums], agreed)
 
-    def _sum_copies(self, agreed, count, *buckets_and_unread):
-        """The sums over ranks of the first `count` arrays, host copies of a GPU's buckets."""
+    def _sum_copies(self, agreed, conditional, count, *buckets_and_unread):
+        """The sums over ranks of the first `count` arrays, host copies of a GPU's buckets
+        (`conditional`: unless the last input is False)."""
         buckets = buckets_and_unread[:count]
         sums = [np.array(bucket).reshape(-1) for bucket in buckets]
-        self.sum_flat(sums, agreed)
+        if not conditional or np.asarray(buckets_and_unread[-1]):
+            self.sum_flat(sums, agreed)
         return [total.reshape(np.shape(bucket)) for total, bucket in zip(sums, buckets)]
 
     def sum_flat(self, arrays, agreed=True):

@@ -71,7 +71,8 @@ from keras.src.backend.jax import nn as keras_jax_nn
 # Keras' JAX backend draws keras.random's numbers here (batch_draws.py replaces its shaped draws).
 from keras.src.backend.jax import random as keras_jax_random
 
-from tarantella.backends import batch_draws, custom_logs, loop_gradients, loss_terms, metric_sums, moments
+from tarantella.backends import (accumulation, batch_draws, custom_logs, loop_gradients, loss_terms, metric_sums,
+                                 moments)
 from tarantella.backends.base import Step
 from tarantella.backends.rows import at_least_one_row, non_trainable_after_step
 from tarantella.backends.jax import custom_step
@@ -167,6 +168,11 @@ class JaxStep(Step):
         """Every optimizer the wrapped model holds (a custom step may apply several)."""
         return custom_logs.model_optimizers(self._model)
 
+    def locally_accumulating_optimizers(self):
+        """The built-in step's optimizer where it accumulates: a custom step sums every micro-step."""
+        optimizer = getattr(self._model, "optimizer", None)
+        return [optimizer] if not self._custom["train"] and accumulation.steps(optimizer) else []
+
     # -- the steps, with Keras' JAX trainer's signatures --------------------------------------
 
     def train(self, state, data):
@@ -174,9 +180,11 @@ class JaxStep(Step):
             return custom_step.train(self, self._model, state, data)
         trainable, non_trainable, optimizer_state, metric_state = state
         model = self._model
+        optimizer = model.optimizer
         data, samples = at_least_one_row(data)
         sequence = ["a training step"]
-        global_samples = self._open_step(sequence, samples)
+        accumulating = _Accumulation.of(optimizer, optimizer_state)
+        global_samples = self._open_step(sequence, samples, None if accumulating is None else accumulating.summing)
         share = (samples / global_samples).astype(jnp.float32)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         zeroed = [jnp.zeros_like(v) for v in metric_state]
@@ -191,8 +199,12 @@ class JaxStep(Step):
 
         (_, aux), grads = jax.value_and_grad(share_of_loss, has_aux=True)(trainable)
         unscaled_loss, y_pred, new_non_trainable, increments = aux
-        grads, summed = self._sum_gradients(sequence, grads, contributes=samples > 0)
-        trainable, optimizer_state = model.optimizer.stateless_apply(optimizer_state, grads, trainable)
+        if accumulating is None:
+            grads, summed = self._sum_gradients(sequence, grads, contributes=samples > 0)
+        else:
+            grads, summed, optimizer_state = accumulating.gradients(self._bucket_sum, sequence, grads,
+                                                                    contributes=samples > 0)
+        trainable, optimizer_state = optimizer.stateless_apply(optimizer_state, grads, trainable)
         _, increments = model._update_metrics_variables(increments, unscaled_loss, x, y, y_pred, sample_weight)
         metric_state = self._add_global_increments(sequence, metric_state, increments, samples > 0, after=summed)
         non_trainable = non_trainable_after_step(model, samples, non_trainable, new_non_trainable)
@@ -247,15 +259,18 @@ class JaxStep(Step):
 
     # -- the collectives, as ordered callbacks ------------------------------------------------
 
-    def _open_step(self, sequence, samples):
+    def _open_step(self, sequence, samples, summing=None):
         """B, the sum of the ranks' `samples`; the opening agrees on `sequence`, which the
-        rest of the trace completes before the step first runs."""
+        rest of the trace completes before the step first runs. `summing` (a traced bool, where
+        the optimizer accumulates): whether the step's gradient round takes place."""
         what = f"{Collective.STEP_OPENING.what} of {sequence[0]}"
 
-        def open_step():
-            return np.int32(self._comm.open_step(what, "; ".join(sequence), samples))
+        def open_step(*summing):
+            described = accumulation.described(sequence, [bool(flag) for flag in summing])
+            return np.int32(self._comm.open_step(what, "; ".join(described), samples))
 
-        return io_callback(open_step, jax.ShapeDtypeStruct((), jnp.int32), ordered=True)
+        return io_callback(open_step, jax.ShapeDtypeStruct((), jnp.int32), *(() if summing is None else (summing,)),
+                           ordered=True)
 
     def _global_loss_terms(self, sequence, samples, global_samples):
         """While the loss is traced: the compiled loss terms that do not divide by the micro-batch's
@@ -375,6 +390,42 @@ class JaxStep(Step):
         model = self._model
         with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, metric_state))):
             return model.get_metrics_result()
+
+
+class _Accumulation:
+    """The built-in step's gradients where its optimizer accumulates them (accumulation.py): one
+    round of sums over the ranks per update step, none on the micro-steps between."""
+
+    @classmethod
+    def of(cls, optimizer, optimizer_state):
+        """The step's accumulation, or None where every micro-step sums its gradients."""
+        k = accumulation.steps(optimizer)
+        return None if k is None else cls(optimizer, optimizer_state, k)
+
+    def __init__(self, optimizer, optimizer_state, k):
+        self._optimizer = optimizer
+        self._state = list(optimizer_state)
+        position = {id(v): i for i, v in enumerate(optimizer.variables)}
+        self._places = [position[id(a)] for a in accumulation.accumulators(optimizer, optimizer._trainable_variables)]
+        # The optimizer's own decision, from the iterations it gets (as stateless_apply takes them).
+        self.summing = accumulation.is_update_step(self._state[position[id(optimizer._iterations)]], k)
+
+    def gradients(self, bucket_sum, sequence, grads, contributes):
+        """(what the optimizer applies, one summed element for later collectives to take, the
+        optimizer state it applies them with). On update steps the rank sends its gradients plus
+        its accumulators, whose sum over ranks the optimizer gets with its accumulators zeroed;
+        between them the rank's own gradients, unsummed: the round is skipped in its callback."""
+        if not contributes:  # its zero row's gradients may hold NaN
+            grads = [jnp.zeros_like(g) for g in grads]
+        accumulated = [self._state[i] for i in self._places]
+        sent = [jnp.where(self.summing, g + accumulation.in_gradient_scale(a, self._optimizer).astype(g.dtype), g)
+                for g, a in zip(grads, accumulated)]
+        summed, token = bucket_sum(sent, True, sequence=accumulation.ConditionalRounds(sequence, 0),
+                                   only_if=self.summing)
+        state = list(self._state)
+        for i, a in zip(self._places, accumulated):
+            state[i] = jnp.where(self.summing, jnp.zeros_like(a), a)
+        return summed, token, state
 
 
 def platform_refusal(platform):

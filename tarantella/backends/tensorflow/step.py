@@ -39,7 +39,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tarantella.backends import metric_sums, rows
+from tarantella.backends import accumulation, metric_sums, rows
 from tarantella.backends.base import Step
 from tarantella.backends.tensorflow import devices
 from tarantella.backends.tensorflow import gradients
@@ -219,8 +219,9 @@ class TensorFlowStep(Step):
         numbers = {i: leaf for i, leaf in enumerate(leaves) if id(leaf) not in step.results and _is_number(leaf)}
         values = increments + list(numbers.values())
         weights = [step.share if step.fed_per_batch(v) else None for v in variables] + [step.share] * len(numbers)
-        summed = self._allreduce(tf.where(has_samples, metric_sums.flat(values, self.widest_float, weights), 0.0)
-                                 if values else tf.zeros([0], tf.float64), Collective.LOSSES_AND_METRICS)
+        with tf.control_dependencies(step.conditional_rounds):
+            summed = self._allreduce(tf.where(has_samples, metric_sums.flat(values, self.widest_float, weights), 0.0)
+                                     if values else tf.zeros([0], tf.float64), Collective.LOSSES_AND_METRICS)
         summed_values = iter(metric_sums.pieces(summed, values) if values else [])
         for variable, before in zip(variables, saved):
             variable.assign(before + next(summed_values))
@@ -237,18 +238,21 @@ class TensorFlowStep(Step):
             if shadow is not None:
                 shadow.assign_add(tf.where(has_samples, increment, tf.zeros_like(increment)))
 
-    def open_step(self, sequence, samples):
+    def open_step(self, sequence, samples, summing=()):
         """The step's opening: the global batch size (float64), summed by a collective of its own
-        that also agrees on the step's `sequence` of collectives (complete before it first runs)."""
+        that also agrees on the step's `sequence` of collectives (complete before it first runs),
+        with the rounds of accumulating optimizers in it only where their `summing` (traced bools,
+        accumulation.py) is True."""
         opening = functools.partial(self._open_step, f"{Collective.STEP_OPENING.what} of {sequence[0]}",
                                     sequence)
-        global_samples = tf.cast(tf.numpy_function(opening, [tf.cast(samples, tf.int64)], tf.int64, stateful=True,
-                                                   name="tnt_open_step"), tf.float64)
+        global_samples = tf.cast(tf.numpy_function(opening, [tf.cast(samples, tf.int64), *summing], tf.int64,
+                                                   stateful=True, name="tnt_open_step"), tf.float64)
         global_samples.set_shape([])
         return global_samples
 
-    def _open_step(self, what, sequence, samples):
-        return np.int64(self._comm.open_step(what, "; ".join(sequence), int(samples)))
+    def _open_step(self, what, sequence, samples, *summing):
+        described = accumulation.described(sequence, [bool(flag) for flag in summing])
+        return np.int64(self._comm.open_step(what, "; ".join(described), int(samples)))
 
     def expect_global_batch_size(self, size):
         """The global batch size of the dataset the next steps train on (None: not known)."""
@@ -277,14 +281,17 @@ class TensorFlowStep(Step):
     def _gather_predictions(self, *arrays):
         return self._comm.allgather_interleaved_rows(list(arrays), Collective.PREDICTIONS)
 
-    def reduce_gradients(self, grads, variables, contributes=None, loss_divisor=None):
+    def reduce_gradients(self, grads, variables, contributes=None, loss_divisor=None, sequence=None):
         """The sum over ranks of each rank's share-weighted gradients (None stays None); a rank
         whose `contributes` is False adds zeros.
 
         With `loss_divisor` (the guess of the global batch size the rank's loss was divided
-        by; the step has no opening), the round opens the step and sets its global batch size."""
+        by; the step has no opening), the round opens the step and sets its global batch size.
+        `sequence`: where the round describes itself in the step's sequence, if not at its end
+        (accumulation.ConditionalRounds)."""
         if loss_divisor is None:
-            return self._gradient_allreduce(grads, variables, contributes=contributes, step_sequence=self._sequence)
+            return self._gradient_allreduce(grads, variables, contributes=contributes,
+                                            step_sequence=self._sequence if sequence is None else sequence)
         step = self._step
         with tf.control_dependencies([step.samples]):  # the batch's arrival, for the timeline
             arrived = tf.timestamp() if events.observer is not None else tf.constant(0.0, tf.float64)

@@ -12,7 +12,7 @@ import tensorflow as tf
 # tests/test_keras_internals.py checks it.
 from keras.src.backend.tensorflow import nn as keras_tensorflow_nn
 
-from tarantella.backends import loss_terms, moments
+from tarantella.backends import accumulation, loss_terms, moments
 from tarantella.runtime.kinds import Collective
 
 class StepState:
@@ -32,12 +32,18 @@ class StepState:
         self._runner = runner
         self._per_batch = set()  # ids of metric variables fed one scalar per step
         self.results = {}  # id(result tensor) -> (metric, key or None)
+        # The optimizers that accumulate gradients (accumulation.py), each with whether this
+        # micro-step updates, a traced bool: the step's opening agrees on them.
+        self._accumulating = []
+        # An output of each conditional gradient round: the collectives after them wait for them.
+        self.conditional_rounds = []
 
     @property
     def global_samples(self):
         """B; asked for before any collective of the step gave it, it opens the step."""
         if self._global_samples is None:
-            self._global_samples = self._runner.open_step(self._sequence, self.samples)
+            self._global_samples = self._runner.open_step(self._sequence, self.samples,
+                                                          [summing for _, summing in self._accumulating])
         return self._global_samples
 
     @global_samples.setter
@@ -63,6 +69,10 @@ class StepState:
                 stack.enter_context(_instance_override(metric, "update_state", self._watch_update(metric)))
                 stack.enter_context(_instance_override(metric, "result", self._watch_result(metric)))
             for optimizer in optimizers:
+                k = accumulation.steps(optimizer)
+                if k:
+                    self._accumulating.append(
+                        (optimizer, accumulation.is_update_step(optimizer._iterations.value, k)))
                 stack.enter_context(_instance_override(optimizer, "apply", self._reduced_apply(optimizer)))
             if self._loss_optimizer is not None:
                 stack.enter_context(_instance_override(self._loss_optimizer, "scale_loss",
@@ -122,7 +132,9 @@ class StepState:
 
         def scale_loss(loss):
             self.loss_weighted = True
-            if self._global_samples is not None:  # the loss's terms needed B: the step has opened
+            # Where the loss's terms needed B, the step has opened; an accumulation step opens, as
+            # it must agree on whether it sums before its gradient round would.
+            if self._global_samples is not None or self._decision(optimizer) is not None:
                 return original(loss) * tf.cast(self.share, loss.dtype)
             self._loss_divisor = self._runner.guessed_global_samples(self.samples)
             weight = tf.math.divide_no_nan(tf.cast(self.samples, tf.float64), self._loss_divisor)
@@ -137,6 +149,10 @@ class StepState:
             grads = list(grads)
             variables = list(trainable_variables if trainable_variables is not None
                              else optimizer._trainable_variables)
+            if self._decision(optimizer) is not None:
+                weighted = self.loss_weighted and optimizer is self._loss_optimizer
+                return original(self._accumulated(optimizer, grads if weighted else _weighted(grads, self.share),
+                                                  variables), trainable_variables)
             if self.loss_weighted and optimizer is self._loss_optimizer:
                 # Weighted already; a rank without samples sends zeros (its zero row's gradients
                 # may hold NaN), set where the bucket is handed over: no pass over the gradients.
@@ -150,6 +166,51 @@ class StepState:
             return original(reduced, trainable_variables)
 
         return apply
+
+    def _decision(self, optimizer):
+        """(index, traced bool: whether this micro-step updates) of an accumulating optimizer, else None."""
+        for index, (accumulating, summing) in enumerate(self._accumulating):
+            if accumulating is optimizer:
+                return index, summing
+        return None
+
+    def _accumulated(self, optimizer, grads, variables):
+        """What an accumulating optimizer applies (accumulation.py): on an update step the sum over
+        ranks of each rank's share-weighted gradients plus its accumulators, which are zeroed;
+        between updates the rank's own gradients, unsummed, and no round."""
+        index, summing = self._decision(optimizer)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if not present:
+            return grads
+        # Dense, as serial Keras adds them to its accumulators; zeros where the rank has no samples
+        # (its zero row's gradients may hold NaN).
+        own = [tf.convert_to_tensor(grads[i]) for i in present]
+        own = tf.cond(self.has_samples, lambda: own, lambda: [tf.zeros_like(g) for g in own])
+        if not optimizer.built:  # as its apply would build it, in its first trace
+            with keras.name_scope(optimizer.name, caller=optimizer):
+                optimizer.build(variables)
+        accumulators = accumulation.accumulators(optimizer, [variables[i] for i in present])
+
+        def summed():
+            sent = [g + tf.cast(accumulation.in_gradient_scale(a.value, optimizer), g.dtype)
+                    for g, a in zip(own, accumulators)]
+            with tf.control_dependencies(sent):
+                for accumulator in accumulators:
+                    accumulator.assign(tf.zeros_like(accumulator.value))
+            return self._runner.reduce_gradients(sent, [variables[i] for i in present],
+                                                 sequence=accumulation.ConditionalRounds(self._sequence, index))
+
+        # TensorFlow orders a conditional only by its inputs, and a rank without samples sends no
+        # input that waits for the opening: the round waits for it explicitly (and later
+        # collectives for the round, see step.py).
+        with tf.control_dependencies([self.global_samples]):
+            applied = tf.cond(summing, summed, lambda: [tf.identity(g) for g in own])
+        applied = applied if isinstance(applied, (list, tuple)) else [applied]
+        self.conditional_rounds.append(applied[0])
+        out = [None] * len(grads)
+        for i, g in zip(present, applied):
+            out[i] = g
+        return out
 
     def _global_moments(self, x, axes, keepdims):
         """Synchronized BatchNormalization: the mean and variance of the whole global batch

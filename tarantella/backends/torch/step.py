@@ -50,7 +50,8 @@ from keras.src.backend.torch import nn as keras_torch_nn
 # Keras' torch backend draws keras.random's numbers here (batch_draws.py replaces its shaped draws).
 from keras.src.backend.torch import random as keras_torch_random
 
-from tarantella.backends import batch_draws, custom_logs, fusion, loop_gradients, loss_terms, metric_sums, moments
+from tarantella.backends import (accumulation, batch_draws, custom_logs, fusion, loop_gradients, loss_terms,
+                                 metric_sums, moments)
 from tarantella.backends.base import Step
 from tarantella.backends.rows import at_least_one_row, restore_without_samples
 from tarantella.backends.tensorflow import devices as tensorflow_devices
@@ -129,6 +130,11 @@ class TorchStep(Step):
         """Every optimizer the wrapped model holds (a custom step may apply several)."""
         return custom_logs.model_optimizers(self._model)
 
+    def locally_accumulating_optimizers(self):
+        """The built-in step's optimizer where it accumulates: a custom step sums every micro-step."""
+        optimizer = getattr(self._model, "optimizer", None)
+        return [optimizer] if not self._custom["train"] and accumulation.steps(optimizer) else []
+
     def expect_unknown_length(self, kind, global_batch_spec):
         """Not needed here: Keras-on-torch reads each batch before it runs a step."""
 
@@ -145,16 +151,24 @@ class TorchStep(Step):
         plan = self._gradient_plan()
         data, samples = at_least_one_row(data)
         metric_variables = model.metrics_variables
-        sequence = "; ".join(["a training step", plan.description, _metrics_description(metric_variables)])
+        optimizer = model.optimizer
+        k = accumulation.steps(optimizer)
+        summing = k is None or accumulation.is_update_step(int(optimizer._iterations.numpy()), k)
+        sequence = "; ".join(["a training step", plan.description if summing else accumulation.NO_ROUND,
+                              _metrics_description(metric_variables)])
         global_samples = self._comm.open_step(f"{Collective.STEP_OPENING.what} of a training step",
                                               sequence, samples)
         share = samples / global_samples
         kept = [v.numpy() for v in model.non_trainable_variables] if samples == 0 else None
         state_before = _zero(metric_variables)
-        self._round = _GradientRound(self._reducer, plan, contributes=samples > 0)
+        if summing:
+            accumulated = None if k is None else _taken_accumulators(optimizer, plan.variables)
+            self._round = _GradientRound(self._reducer, plan, contributes=samples > 0, accumulated=accumulated)
+            applying = _applying_summed_gradients(optimizer, self._round)
+        else:  # an accumulation micro-step: the rank's own gradients (accumulation.py)
+            applying = _own_gradients(optimizer, contributes=samples > 0)
         try:
-            with _share_weighted_scale_loss(model.optimizer, share), \
-                    _applying_summed_gradients(model.optimizer, self._round), \
+            with _share_weighted_scale_loss(optimizer, share), applying, \
                     self._global_loss_terms(samples, global_samples), \
                     _global_moments(self._comm, self._round, contributes=samples > 0):
                 model.train_step(data)
@@ -268,7 +282,7 @@ def _moments_of_every_rank(communicator, gradient_round, contributes, x, axes, k
     """The mean and variance of the global batch (backends/moments.py), summed in float64."""
     x = keras_torch_nn.convert_to_tensor(x)
     local, shape, axes = moments.local_sums(x, axes, TorchStep.widest_float, contributes)
-    if local.requires_grad and torch.is_grad_enabled():  # autograd will run its backward
+    if gradient_round is not None and local.requires_grad and torch.is_grad_enabled():  # autograd will run its backward
         gradient_round.expect_moments_gradients()
     summed = _SumOverRanks.apply(local, communicator, gradient_round, contributes)
     return moments.global_moments(summed, shape, axes, keepdims, x.dtype)
@@ -346,13 +360,20 @@ class _GradientRound:
     overlap only the backprop that follows the last backward allreduce (the layers before the
     first synchronized BatchNormalization)."""
 
-    def __init__(self, reducer, plan, contributes):
+    def __init__(self, reducer, plan, contributes, accumulated=None):
+        """`accumulated` (an update step of an accumulating optimizer): {variable index: what
+        the rank accumulated, in the gradients' scale}, which the buckets start from and the
+        gradients are added to."""
         self._reducer = reducer
         self.plan = plan
         self._contributes = contributes
         # Zeros: a rank without samples sends them as they are, and a variable without a
         # gradient (not reached by the loss) adds nothing.
         self._buffers = [np.zeros(size, dtype) for dtype, size, _ in plan.buckets]
+        self._adds = accumulated is not None
+        for i, value in (accumulated or {}).items():
+            bucket, offset, size = plan.place[i]
+            self._buffers[bucket][offset:offset + size] = value.reshape(-1)
         self._missing = [len(members) for _, _, members in plan.buckets]
         self._handed_over = [False] * len(plan.buckets)
         self._moments_gradients_to_come = 0
@@ -373,7 +394,9 @@ class _GradientRound:
 
     def add(self, position, gradient):
         bucket, offset, size = self.plan.place[position]
-        if self._contributes:
+        if self._contributes and self._adds:
+            self._buffers[bucket][offset:offset + size] += gradient.detach().reshape(-1).cpu().numpy()
+        elif self._contributes:
             self._buffers[bucket][offset:offset + size] = gradient.detach().reshape(-1).cpu().numpy()
         self._missing[bucket] -= 1
         if self._missing[bucket] == 0:
@@ -432,6 +455,39 @@ def _applying_summed_gradients(optimizer, gradient_round):
         yield
     finally:
         del optimizer.apply
+
+
+@contextlib.contextmanager
+def _own_gradients(optimizer, contributes):
+    """A micro-step that only accumulates: `optimizer.apply` gets the rank's own share-weighted
+    gradients, unsummed (zeros on a rank without samples, whose zero row's gradients may hold
+    NaN), and adds them to the rank's accumulators (accumulation.py)."""
+    original = optimizer.apply
+
+    def apply(grads, trainable_variables=None):
+        if not contributes:
+            grads = [None if g is None else torch.zeros_like(g) for g in grads]
+        return original(grads, trainable_variables)
+
+    optimizer.apply = apply
+    try:
+        yield
+    finally:
+        del optimizer.apply
+
+
+def _taken_accumulators(optimizer, variables):
+    """{variable index: the rank's accumulator in the gradients' scale, as NumPy}, for the update
+    step's round to send; the accumulators are zeroed, so that the optimizer applies the sum over
+    ranks alone."""
+    taken = {}
+    for i, accumulator in enumerate(accumulation.accumulators(optimizer, variables)):
+        value = accumulator.value.detach()
+        wire = value.float() if value.dtype in (torch.float16, torch.bfloat16) else value  # NumPy has no bfloat16
+        # A copy: Keras' torch variable is zeroed in place, and NumPy would see its memory.
+        taken[i] = np.array(accumulation.in_gradient_scale(wire, optimizer).cpu().numpy())
+        accumulator.assign(torch.zeros_like(value))
+    return taken
 
 
 def _metrics_description(metric_variables):
