@@ -27,6 +27,11 @@ every variant, one window of --steps timed steps each, the order reversed every 
   fusion-KB   fusion threshold KB KiB (nominal); --thresholds picks two (default 1024, 8192)
   after-backprop  (--backend jax, named only) TNT_JAX_GRADIENT_HANDOVER=after-backprop: the buckets
               summed after the whole backprop, against `tnt`'s hand-over per bucket across hosts
+  accumulate-K  (named only) tarantella with Keras' gradient_accumulation_steps=K, which sums over the
+              ranks once per K micro-steps; its step is the mean over --steps micro-steps (a
+              multiple of K, so every window holds whole cycles), per micro-step as `tnt`'s, which
+              sums every step as every micro-step did before accumulation skipped its sums: judged
+              as accumulate-K step / tnt step (below 1: fewer sums pay)
   compute     the same profile model as plain Keras, no communication: the compute-only step,
               efficiency's numerator
   ddp         (--backend torch) torch DDP over gloo, a peer
@@ -95,6 +100,7 @@ DEFAULT_THRESHOLDS = (32, 8192)  # 32 KiB: tarantella's threshold on one node
 PEERS = ("ddp", "keras-dp", "horovod")  # variants that are not tarantella: no fusion plan, so no limit or model of their own
 # tarantella's own alternative forms: `tnt` is judged against each (its step / theirs below 1: it wins).
 ALTERNATIVES = ("after-backprop",)
+ACCUMULATE = "accumulate-"  # accumulate-K: gradient accumulation over K micro-steps, judged against `tnt`
 # The variants of Horovod's job (Keras 2, its own interpreter); keras2 is a baseline, not a peer.
 HOROVOD_LABELS = ("horovod", "keras2")
 # Horovod 0.28.1's fusion threshold (128 MiB since 0.21) in bytes, nominal: divided by the byte
@@ -334,7 +340,7 @@ def analyze(model, ranks, measured, scale):
             cpu = [w.get("cpu_seconds_per_step") for w in windows]
             if None not in cpu:  # the master's CPU time per step, times p ranks, over the machine's cores
                 row["machine_busy"] = statistics.median(c * ranks / (os.cpu_count() * t) for c, t in zip(cpu, steps))
-            if label in PEERS or label in HOROVOD_LABELS:
+            if label in PEERS or label in HOROVOD_LABELS or label.startswith(ACCUMULATE):  # no schedule to model
                 row.update(efficiency=summarize([c / s for c, s in zip(compute, steps)]),
                            efficiency_per_round=[c / s for c, s in zip(compute, steps)])
             elif label != "compute":
@@ -387,6 +393,12 @@ def judge(results):
                     lines.append(f"{model}, {link}, {p} ranks: tnt step / {other} step {spread['median']:.3f} (IQR "
                                  f"{spread['q1']:.3f}-{spread['q3']:.3f}), target <= {target:.2f}: "
                                  f"{verdict(spread, target, len(ratios))}")
+                for other in [label for label in rows if label.startswith(ACCUMULATE) and "tnt" in rows]:
+                    ratios = [a / t for a, t in zip(rows[other]["per_round"], rows["tnt"]["per_round"])]
+                    spread = summarize(ratios)
+                    lines.append(f"{model}, {link}, {p} ranks: {other} step / tnt step, per micro-step "
+                                 f"{spread['median']:.3f} (IQR {spread['q1']:.3f}-{spread['q3']:.3f}), target <= 1.00: "
+                                 f"{verdict(spread, 1.0, len(ratios))}")
     return lines
 
 
@@ -536,9 +548,6 @@ def plot(results, links, labels, path):
 # -- commands -----------------------------------------------------------------------------
 
 def command_run(args):
-    problem = cluster_hosts.available()
-    if problem:
-        sys.exit(f"emulated_cluster: {problem}")
     models = args.models.split(",")
     ranks = [int(p) for p in args.ranks.split(",")]
     links = args.links.split(",")
@@ -551,6 +560,16 @@ def command_run(args):
             log(f"horovod variant skipped: {horovod_missing(args.horovod_venv)}")
     if "compute" not in labels:
         labels.append("compute")
+    for label in labels:
+        if label.startswith(ACCUMULATE):
+            k = label[len(ACCUMULATE):]
+            if not k.isdigit() or int(k) < 2 or args.steps % int(k):
+                sys.exit(f"emulated_cluster: {label}: K must be an integer of at least 2 that divides --steps "
+                         f"({args.steps}), so that every window holds whole accumulation cycles; e.g. accumulate-4 "
+                         "with --steps 8")
+    problem = cluster_hosts.available()
+    if problem:
+        sys.exit(f"emulated_cluster: {problem}")
     horovod_interpreter = None
     if any(label in HOROVOD_LABELS for label in labels):
         horovod_interpreter = horovod_python(args.horovod_venv)

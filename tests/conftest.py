@@ -76,9 +76,9 @@ def assert_accumulation_sums_once_per_cycle(serial_dir, out, ranks):
     """The case mlp-accumulation of tests/workers/train_cases.py (gradient_accumulation_steps=k): each
     rank collected one gradient round per k micro-steps (none on 1 rank, which sums nothing), and the
     master's accumulators after fit, in the middle of a cycle, are serial Keras' own."""
-    from workers.train_cases import ACCUMULATION_STEPS, SAMPLES
+    from workers.train_cases import ACCUMULATION_STEPS, CASES, SAMPLES
     case = "mlp-accumulation"
-    micro_steps = 2 * -(-SAMPLES // 2)  # two epochs of global batches of 2
+    micro_steps = 2 * -(-SAMPLES // CASES[case][2])  # two epochs
     expected = 0 if ranks == 1 else micro_steps // ACCUMULATION_STEPS
     for rank in range(ranks):
         assert (out / f"{case}.rank{rank}.rounds").read_text() == str(expected), f"rank {rank} of {ranks}"

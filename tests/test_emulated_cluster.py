@@ -194,6 +194,29 @@ def test_a_two_host_emulated_run_times_keras_data_parallel_beside_tarantella_on_
     assert "limit" not in rows["keras-dp"]  # a peer: no fusion plan of tarantella's
 
 
+def test_a_two_host_emulated_run_times_gradient_accumulation_against_a_sum_every_step(tmp_path):
+    """accumulate-2: tarantella with gradient_accumulation_steps=2, one sum per 2 micro-steps, its
+    step the mean over whole cycles, judged per micro-step against `tnt`'s sum every step."""
+    skip_without_the_emulated_cluster()
+    process, result = run_tiny_profile(tmp_path, "tnt,accumulate-2,compute")
+    rows = result["analysis"]["10gbe"]
+    for label in ("tnt", "accumulate-2"):
+        assert len(rows[label]["per_round"]) == 2
+        assert rows[label]["step"]["median"] >= 0.036  # the profile's compute
+    assert "limit" not in rows["accumulate-2"]  # its schedule has no round on half its micro-steps
+    for windows in result["measured"]["windows"]["10gbe"]["accumulate-2"]:
+        assert windows["median_step_seconds"] == pytest.approx(sum(windows["steps"]) / len(windows["steps"]))
+    assert "accumulate-2 step / tnt step, per micro-step" in process.stdout
+
+
+def test_an_accumulation_variant_must_time_whole_cycles():
+    process = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "emulated_cluster.py"), "run", "--variants", "tnt,accumulate-4",
+         "--steps", "2"], capture_output=True, text=True, timeout=120)
+    assert process.returncode != 0
+    assert "accumulate-4: K must be an integer of at least 2 that divides --steps (2)" in process.stderr
+
+
 TWO_STAGES = {"model": "two", "batch": 1, "parameters": 0, "device": "made up", "layers": [
     {"name": "a", "weights": [[40, 3], [3]], "forward_s": 0.003, "backward_s": 0.005},
     {"name": "b", "weights": [[4, 4]], "forward_s": 0.002, "backward_s": 0.007}]}

@@ -42,7 +42,8 @@ def test_ranks_train_like_serial_keras(ranks, serial_dir, scratch):
     cases = CASES_BY_RANKS[ranks]
     assert_ok(launch(ranks, WORKER, "--mode", "tnt", "--out", out, "--cases", ",".join(cases)))
     assert_ranks_like_serial(serial_dir, out, cases, ranks)
-    assert_accumulation_sums_once_per_cycle(serial_dir, out, ranks)
+    if "mlp-accumulation" in cases:
+        assert_accumulation_sums_once_per_cycle(serial_dir, out, ranks)
 
 
 BACKEND_TESTS = pytest.mark.skipif(os.environ.get("TNT_BACKEND_TESTS") != "1",

@@ -24,7 +24,7 @@ OPTIMIZERS = {
     "adamax": lambda k: k.optimizers.Adamax(0.01),
     "nadam": lambda k: k.optimizers.Nadam(0.01),
 }
-ACCUMULATION_STEPS = 3
+ACCUMULATION_STEPS = 4
 # Optimizers of the cases below only.
 OTHER_OPTIMIZERS = {
     "adam-accumulation": lambda k: k.optimizers.Adam(0.01, gradient_accumulation_steps=ACCUMULATION_STEPS),
@@ -120,9 +120,10 @@ CASES.update({
     "mlp-batch2": ("mlp", "sgd", 2, 7, False),
     "mlp-shuffle-without-seed": ("mlp", "adam", 64, None, True),
     "mlp-steps-per-execution": ("mlp", "nesterov", 16, 7, True, {"steps_per_execution": 3}),
-    # Global batches of 2 (68 per epoch, the last of 1): 1/1 and 1/0 on 2 ranks, 1/1/0 on 3; accumulation
-    # cycles of 3 cross the epochs' ends.
-    "mlp-accumulation": ("mlp", "adam-accumulation", 2, 7, True),
+    # Global batches of 67 (3 per epoch, the last of 1): 34/33 and 1/0 on 2 ranks, 23/22/22 and 1/0/0
+    # on 3; the first accumulation cycle of 4 crosses the first epoch's end, and fit ends inside the
+    # second.
+    "mlp-accumulation": ("mlp", "adam-accumulation", 67, 7, True),
 })
 
 
