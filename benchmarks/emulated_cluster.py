@@ -32,6 +32,10 @@ every variant, one window of --steps timed steps each, the order reversed every 
               multiple of K, so every window holds whole cycles), per micro-step as `tnt`'s, which
               sums every step as every micro-step did before accumulation skipped its sums: judged
               as accumulate-K step / tnt step (below 1: fewer sums pay)
+  flat        (named only; --ranks-per-host above 1) TNT_HIERARCHICAL_ALLREDUCE=off: large buckets in
+              one ring over all ranks, where `tnt` sums them node by node; judged as tnt step / flat step
+  wire-W      (named only) tnt.Model(gradient_wire=W), W bfloat16 or float16: the gradients travel
+              in 16 bits, half the bytes; judged as wire-W step / tnt step
   compute     the same profile model as plain Keras, no communication: the compute-only step,
               efficiency's numerator
   ddp         (--backend torch) torch DDP over gloo, a peer
@@ -39,6 +43,8 @@ every variant, one window of --steps timed steps each, the order reversed every 
   horovod     Horovod 0.28.1 on Keras 2, a peer: a second job on the same hosts (see Peers)
   keras2      (named only) the profile model on Keras 2 without Horovod, in Horovod's job: Keras 2's
               compute-only step
+Every window also counts the bytes the hosts sent over their links (the veths' counters): per
+step, times the byte scale, they are the nominal bytes a step puts on the network.
 Per round: efficiency = compute step / step (same link, same round); step / limit, the limit
 being the variant's own schedule's: the compute-only step plus how far the last bucket's ready
 time plus its reduction on that link (measured latency, shaped rate) reaches past backprop.
@@ -99,8 +105,12 @@ DEFAULT_SCALE = 512
 DEFAULT_THRESHOLDS = (32, 8192)  # 32 KiB: tarantella's threshold on one node
 PEERS = ("ddp", "keras-dp", "horovod")  # variants that are not tarantella: no fusion plan, so no limit or model of their own
 # tarantella's own alternative forms: `tnt` is judged against each (its step / theirs below 1: it wins).
-ALTERNATIVES = ("after-backprop",)
+ALTERNATIVES = ("after-backprop", "flat")
+# tarantella's own variants whose large buckets the step model sums in one flat ring.
+FLAT_RING = ("tnt", "tnt-mpi", "one-bucket", "flat")
 ACCUMULATE = "accumulate-"  # accumulate-K: gradient accumulation over K micro-steps, judged against `tnt`
+WIRE = "wire-"  # wire-W: the gradients travel as W (bfloat16 or float16), judged against `tnt`
+WIRES = ("bfloat16", "float16")
 # The variants of Horovod's job (Keras 2, its own interpreter); keras2 is a baseline, not a peer.
 HOROVOD_LABELS = ("horovod", "keras2")
 # Horovod 0.28.1's fusion threshold (128 MiB since 0.21) in bytes, nominal: divided by the byte
@@ -288,8 +298,10 @@ def measure(model, ranks, ranks_per_host, links, labels, scale, repeats, steps, 
                     emulated.shape(cluster_hosts.PROFILES[link].shaped_rate_bit(scale))
                     for label in (labels if repeat % 2 == 0 else labels[::-1]):
                         runner = runners[-1] if label in HOROVOD_LABELS else job
+                        sent_before = emulated.bytes_sent()
                         runner.send(f"window {label}")
                         window = runner.receive(WINDOW_TIMEOUT_S)
+                        window["link_bytes_per_step"] = (emulated.bytes_sent() - sent_before) / (1 + steps)
                         if "unavailable" in window:
                             raise JobFailed(f"{label}: {window['unavailable']}")
                         if window.get("weights_agree") is False:
@@ -304,7 +316,7 @@ def measure(model, ranks, ranks_per_host, links, labels, scale, repeats, steps, 
             for runner in runners:
                 runner.stop()
     facts = {"windows": windows, "probes": probes, "hosts": len(ready["hosts"]), "start_seconds": start_s,
-             "thresholds_kb": ready["thresholds_kb"], "backend": ready.get("backend"),
+             "thresholds_kb": ready["thresholds_kb"], "backend": ready.get("backend"), "by_node": ready.get("by_node"),
              "seconds": time.monotonic() - started}
     if horovod is not None:
         facts["horovod"] = {key: horovod[key] for key in ("allreduce_check", "fusion_threshold_bytes", "cycle_time_ms",
@@ -315,7 +327,7 @@ def measure(model, ranks, ranks_per_host, links, labels, scale, repeats, steps, 
 # -- analysis -----------------------------------------------------------------------------
 
 def threshold_bytes_of(label, thresholds_kb, scale):
-    return int(thresholds_kb[label if label != "tnt-mpi" else "tnt"] / scale * 1024)
+    return int(thresholds_kb[label if label not in ("tnt-mpi", "flat") else "tnt"] / scale * 1024)
 
 
 def link_parameters(probe, link, scale):
@@ -340,7 +352,14 @@ def analyze(model, ranks, measured, scale):
             cpu = [w.get("cpu_seconds_per_step") for w in windows]
             if None not in cpu:  # the master's CPU time per step, times p ranks, over the machine's cores
                 row["machine_busy"] = statistics.median(c * ranks / (os.cpu_count() * t) for c, t in zip(cpu, steps))
-            if label in PEERS or label in HOROVOD_LABELS or label.startswith(ACCUMULATE):  # no schedule to model
+            sent = [w.get("link_bytes_per_step") for w in windows]
+            if None not in sent:
+                row["nominal_link_bytes_per_step"] = statistics.median(sent) * scale
+            # The step model knows float32 buckets summed every step in one flat ring: no schedule to model
+            # for the rest.
+            summed_by_node = measured.get("by_node") and label != "flat" and (
+                label in FLAT_RING or label.startswith("fusion-"))
+            if label in PEERS or label in HOROVOD_LABELS or label.startswith((ACCUMULATE, WIRE)) or summed_by_node:
                 row.update(efficiency=summarize([c / s for c, s in zip(compute, steps)]),
                            efficiency_per_round=[c / s for c, s in zip(compute, steps)])
             elif label != "compute":
@@ -379,6 +398,9 @@ def judge(results):
         inverse = summarize([1 / e for e in row["efficiency_per_round"]])
         lines.append(f"{model}, ib, 16 ranks: efficiency {eff['median']:.3f} (IQR {eff['q1']:.3f}-{eff['q3']:.3f}), "
                      f"target >= {EFFICIENCY_TARGET:.2f}: {verdict(inverse, 1 / EFFICIENCY_TARGET, rounds)}")
+        if "over_limit_per_round" not in row:  # summed node by node: the step model has no limit for it
+            lines.append(f"{model}, ib, 16 ranks: step / own limit: no limit (the step model knows the flat ring only)")
+            continue
         over = summarize(row["over_limit_per_round"])
         lines.append(f"{model}, ib, 16 ranks: step / own limit {over['median']:.3f} (IQR {over['q1']:.3f}-"
                      f"{over['q3']:.3f}), target <= {LIMIT_TARGET:.2f}: {verdict(over, LIMIT_TARGET, rounds)}")
@@ -393,12 +415,16 @@ def judge(results):
                     lines.append(f"{model}, {link}, {p} ranks: tnt step / {other} step {spread['median']:.3f} (IQR "
                                  f"{spread['q1']:.3f}-{spread['q3']:.3f}), target <= {target:.2f}: "
                                  f"{verdict(spread, target, len(ratios))}")
-                for other in [label for label in rows if label.startswith(ACCUMULATE) and "tnt" in rows]:
+                for other in [label for label in rows if label.startswith((ACCUMULATE, WIRE)) and "tnt" in rows]:
                     ratios = [a / t for a, t in zip(rows[other]["per_round"], rows["tnt"]["per_round"])]
                     spread = summarize(ratios)
-                    lines.append(f"{model}, {link}, {p} ranks: {other} step / tnt step, per micro-step "
+                    per = ", per micro-step" if other.startswith(ACCUMULATE) else ""
+                    lines.append(f"{model}, {link}, {p} ranks: {other} step / tnt step{per} "
                                  f"{spread['median']:.3f} (IQR {spread['q1']:.3f}-{spread['q3']:.3f}), target <= 1.00: "
                                  f"{verdict(spread, 1.0, len(ratios))}")
+                    if "nominal_link_bytes_per_step" in rows[other] and "nominal_link_bytes_per_step" in rows["tnt"]:
+                        lines.append(f"{model}, {link}, {p} ranks: {other} bytes on the links per step / tnt's "
+                                     f"{rows[other]['nominal_link_bytes_per_step'] / rows['tnt']['nominal_link_bytes_per_step']:.3f}")
     return lines
 
 
@@ -406,8 +432,8 @@ def judge(results):
 
 def print_table(results, links, labels, file=sys.stdout):
     print("| model | p | hosts | link | variant | buckets | step ms (IQR) | efficiency (IQR) | limit ms | "
-          "efficiency limit | step / limit | model error | CPU busy |", file=file)
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", file=file)
+          "efficiency limit | step / limit | model error | CPU busy | MB on the links per step |", file=file)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", file=file)
     for model, by_p in results.items():
         for p, result in by_p.items():
             for link in links:
@@ -430,6 +456,8 @@ def print_table(results, links, labels, file=sys.stdout):
                                   f"{row['over_limit']['median']:.3f}", f"{row['model_error']['median'] * 100:+.0f}%"]
                     busy = row.get("machine_busy")
                     cells.append("" if busy is None else f"{busy:.0%}")
+                    sent = row.get("nominal_link_bytes_per_step")
+                    cells.append("" if sent is None else f"{sent / 1e6:.0f}")
                     print("| " + " | ".join(cells) + " |", file=file)
 
 
@@ -561,6 +589,12 @@ def command_run(args):
     if "compute" not in labels:
         labels.append("compute")
     for label in labels:
+        if label == "flat" and args.ranks_per_host < 2:
+            sys.exit("emulated_cluster: flat: with one rank per host tarantella sums flat already; give "
+                     "--ranks-per-host 2 or more")
+        if label.startswith(WIRE) and label[len(WIRE):] not in WIRES:
+            sys.exit(f"emulated_cluster: {label}: the gradient wire must be one of {', '.join(WIRES)}, e.g. "
+                     "wire-bfloat16")
         if label.startswith(ACCUMULATE):
             k = label[len(ACCUMULATE):]
             if not k.isdigit() or int(k) < 2 or args.steps % int(k):

@@ -22,6 +22,8 @@ import keras
 import tensorflow as tf
 
 from tarantella import backends
+from tarantella.backends import fusion
+from tarantella.common import config
 from tarantella.runtime import world
 
 __all__ = ["Optimizer", "allreduce_gradients"]
@@ -46,7 +48,8 @@ def allreduce_gradients(grads: Sequence[Any], num_samples: int | Any | None = No
     batch; without `num_samples` all ranks weigh alike, which is exact only when every
     micro-batch has the same size. With `loss_reduction="sum"` the gradients are summed;
     `num_samples` only serves to ignore ranks with no samples. A rank with `num_samples=0`
-    contributes exactly zero, even if its gradient is NaN.
+    contributes exactly zero, even if its gradient is NaN. The gradients travel as
+    TNT_GRADIENT_WIRE says (by default exactly, unless they are all of one 16-bit type).
 
     Args:
         grads: this rank's gradients, a list aligned with the variables (None entries stay None):
@@ -74,9 +77,11 @@ def allreduce_gradients(grads: Sequence[Any], num_samples: int | Any | None = No
     comm = world.init()
     if comm.size == 1 or all(g is None for g in grads):
         return list(grads)
+    wire = fusion.gradient_wire(config.gradient_wire(),
+                                [keras.backend.standardize_dtype(g.dtype) for g in grads if g is not None])
     return backends.step_class().sum_loop_gradients(
         list(grads), num_samples, loss_reduction, None if variables is None else list(variables),
-        world.gradient_reducer(), backends.fusion_threshold_bytes(), comm.size)
+        world.gradient_reducer(wire), backends.fusion_threshold_bytes(), comm.size)
 
 
 class Optimizer:

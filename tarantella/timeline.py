@@ -126,15 +126,16 @@ class Recorder:
         row = MAIN_ROW if threading.get_ident() == self._main_thread else OPS_ROW
         self.events.append(("blocked", row, kind.name, what, started, self.now()))
 
-    def timed_buckets(self, reduce):
-        """`reduce` of one bucket, recording each (called in plan order on the worker)."""
+    def timed_buckets(self, reduce, wire_bytes):
+        """`reduce` of one bucket, recording each with its `wire_bytes(bucket)` (called in plan order
+        on the worker)."""
         index = itertools.count()
 
         def timed(bucket):
             sequence, self._sequence = self._sequence, self._sequence + 1
             started = self.now()
+            nbytes = wire_bytes(bucket)
             result = reduce(bucket)
-            nbytes = sum(a.nbytes for a in bucket) if isinstance(bucket, tuple) else bucket.nbytes
             self.events.append(("bucket", sequence, next(index), nbytes, started, self.now()))
             return result
 

@@ -21,6 +21,8 @@ def test_each_bad_input_gets_the_same_clear_error_on_every_rank():
     expected = {
         "fit before compile": "RuntimeError: Call model.compile",
         "Ftrl": "ValueError: tnt.Model does not support the Ftrl optimizer",
+        "unknown gradient wire": "ValueError: tnt.Model(gradient_wire=...): 'fp16' is not a gradient wire: use "
+                                 "'bfloat16' or 'float16'",
         "generator input": "TypeError: tnt.Model.fit takes a tf.data.Dataset, arrays (NumPy or tensors",
         "numpy with a wrong micro-batch": "ValueError: batch_size=5 is the global batch, but "
                                           "tnt_micro_batch_size=4 x 2 ranks = 8",
@@ -118,6 +120,24 @@ def test_ranks_with_different_optimizers_fail_at_the_first_broadcast_naming_the_
     assert process.returncode == 1
     assert ("ValueError: The compiled training step differs between ranks (ranks [1] differ from the master): "
             "compile['optimizer']['class_name'] is 'RMSprop' on rank 1 but 'SGD' on the master.") in process.stderr
+
+
+def test_ranks_with_different_gradient_wires_fail_at_the_first_broadcast_naming_both():
+    process = launch(2, SCENARIOS, "different-wires", timeout=120)
+    assert process.returncode == 1
+    assert ("ValueError: The gradient wire differs between ranks (ranks [1] differ from the master): the gradients "
+            "would travel as float32 on rank 1 but as bfloat16 on the master.") in process.stderr
+
+
+def test_ranks_given_different_hierarchical_allreduce_settings_fail_at_start_naming_each(tmp_path):
+    script = tmp_path / "differing_settings.py"
+    script.write_text("import os\n"
+                      "os.environ['TNT_HIERARCHICAL_ALLREDUCE'] = 'on' if os.environ['PMI_RANK'] == '0' else 'off'\n"
+                      "import tarantella\n")
+    process = launch(2, script, timeout=120)
+    assert process.returncode == 1
+    assert ("ValueError: TNT_HIERARCHICAL_ALLREDUCE differs between ranks (rank 0: on, rank 1: off); give every "
+            "rank the same") in process.stderr
 
 
 def test_a_save_called_on_the_master_only_fails_at_once_saying_to_call_it_everywhere(tmp_path):

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from tarantella.backends.fusion import BucketLayout, automatic_threshold_bytes, plan_buckets, round_description
+from tarantella.backends.fusion import (BucketLayout, automatic_threshold_bytes, gradient_wire, plan_buckets,
+                                       round_description)
 from tarantella.common import config
 
 F32, F64 = "float32", "float64"
@@ -64,7 +65,9 @@ def test_the_layout_places_each_gradient_at_its_offset_in_backprop_order():
     fused = BucketLayout([4, 2, 3], [F32] * 3, 1000, [2, 1, 0])
     assert fused.buckets == [(F32, 9, [(2, 0, 3), (1, 3, 2), (0, 5, 4)])]
     assert fused.place == {2: (0, 0, 3), 1: (0, 3, 2), 0: (0, 5, 4)}
-    assert round_description(fused.names() + ["sparse"]) == "a gradient allreduce of buckets float32[9], sparse"
+    assert round_description(fused.names() + ["sparse"], "float32") == \
+        "a gradient allreduce of buckets float32[9], sparse"
+    assert round_description(fused.names(), "bfloat16") == "a gradient allreduce of buckets float32[9], sent as bfloat16"
 
 
 def test_the_automatic_threshold_stays_small_on_one_node_and_grows_with_the_ranks_across_nodes():
@@ -87,3 +90,14 @@ def test_a_threshold_the_user_sets_replaces_the_automatic_one(monkeypatch):
     with pytest.raises(ValueError, match="TNT_FUSION_THRESHOLD='big' is not a number of kilobytes; set it to a "
                                          "number >= 0[.]"):
         config.fusion_threshold_bytes()
+
+
+def test_the_automatic_gradient_wire_is_16_bit_only_for_a_model_all_of_one_16_bit_type():
+    assert gradient_wire("auto", ["float32", "float32"]) == "float32"
+    assert gradient_wire("auto", ["bfloat16", "bfloat16"]) == "bfloat16"
+    assert gradient_wire("auto", ["float16"]) == "float16"
+    assert gradient_wire("auto", ["bfloat16", "float32"]) == "float32"  # a float32 layer keeps its exact sums
+    assert gradient_wire("auto", ["bfloat16", "float16"]) == "float32"
+    assert gradient_wire("auto", []) == "float32"
+    assert gradient_wire("bfloat16", ["float32"]) == "bfloat16"
+    assert gradient_wire("float32", ["float16"]) == "float32"

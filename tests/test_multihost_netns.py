@@ -5,6 +5,7 @@ The job starts from a hostfile of the hosts' addresses, the ranks talk over TCP,
 result must equal serial Keras. Needs root and `ip` (CI runs as root); skipped otherwise.
 """
 
+import importlib.util
 import os
 import re
 import signal
@@ -19,7 +20,7 @@ from conftest import WORKERS, assert_ok, launcher_command, quiet_env, run_python
 from netns_hosts import namespace_hosts, network_namespace_of
 
 HOSTS = 3
-CASES = "mlp-adam,wide-mlp-adam"  # the wide MLP's gradients, 1 MB in one bucket, take the ring allreduce
+CASES = "mlp-adam,wide-mlp-adam"  # the wide MLP's gradients, 1 MB in one bucket, are summed node by node
 
 
 @pytest.fixture(scope="module")
@@ -34,37 +35,55 @@ def load(path):
         return {key: stored[key] for key in stored.files}
 
 
-def test_a_job_over_three_namespace_hosts_trains_like_serial_keras(hosts, tmp_path):
+@pytest.mark.parametrize("backend", [
+    "tensorflow",
+    *[pytest.param(backend, marks=pytest.mark.skipif(os.environ.get("TNT_BACKEND_TESTS") != "1",
+                                                     reason="runs with TNT_BACKEND_TESTS=1"))
+      for backend in ("jax", "torch")]])
+def test_two_ranks_on_each_of_two_namespace_hosts_train_like_serial_keras_summing_node_by_node(
+        hosts, tmp_path, backend):
+    """A hostfile and --n-per-node 2: 4 ranks over TCP between the hosts and shared memory within.
+    Buckets of 1 MiB or more (the wide MLP's) are summed within each host first, then across the
+    hosts by one rank each (TNT_HIERARCHICAL_ALLREDUCE's automatic choice); the rest stays flat."""
+    if importlib.util.find_spec(backend) is None:
+        pytest.skip(f"{backend} is not installed")
     serial, distributed = tmp_path / "serial", tmp_path / "tnt"
     serial.mkdir()
     distributed.mkdir()
-    assert_ok(run_python(WORKERS / "train_cases.py", "--mode", "serial", "--out", serial, "--cases", CASES))
+    hostfile = tmp_path / "two-hosts"
+    hostfile.write_text("\n".join(hosts["hostfile"].read_text().split()[:2]) + "\n")
+    assert_ok(run_python(WORKERS / "train_cases.py", "--mode", "serial", "--out", serial, "--cases", CASES,
+                         env={"KERAS_BACKEND": backend}))
     started = time.monotonic()
     process = subprocess.run(
-        launcher_command() + ["--hostfile", str(hosts["hostfile"]), "--no-gpu", "-x", "GREETING=from the launcher", "--",
+        launcher_command() + ["--hostfile", str(hostfile), "--n-per-node", "2", "--no-gpu",
+                              "-x", "GREETING=from the launcher", "-x", f"KERAS_BACKEND={backend}", "--",
                               str(WORKERS / "multihost.py"), str(distributed), CASES],
         capture_output=True, text=True, timeout=300, env=quiet_env(**hosts["env"]))
     elapsed = time.monotonic() - started
     assert_ok(process)
     assert elapsed < 120, f"the job took {elapsed:.0f} s"
-    namespaces = set()
-    for rank in range(HOSTS):
+    namespaces = []
+    for rank in range(4):
         line = next(l for l in process.stdout.splitlines() if l.startswith(f"rank {rank}: "))
-        # MPI sees one rank per node (no shared memory), the -x variable arrived, and the fusion
-        # threshold is the one for 3 nodes (512 KiB per rank), not one node's 32 KiB
-        assert line.endswith(" GREETING=from the launcher node ranks 1 fusion threshold 1572864"), line
-        namespaces.add(line.split()[2])
+        # MPI sees two ranks per node, the -x variables arrived, the fusion threshold is the one for
+        # 4 ranks on 2 nodes (512 KiB per rank), not one node's 32 KiB, and large buckets go node by node
+        assert line.endswith(" GREETING=from the launcher node ranks 2 fusion threshold 2097152 reduction ByNode "
+                             f"on {backend}"), line
+        namespaces.append(line.split()[2])
     own = network_namespace_of()
-    assert len(namespaces) == HOSTS and own not in namespaces, "each rank runs in its own host's namespace"
+    assert len(set(namespaces)) == 2 and own not in namespaces, "the ranks run in the two hosts' namespaces"
     for case in CASES.split(","):
         expected = load(serial / f"{case}.rank0.npz")
-        for rank in range(HOSTS):
-            result = load(distributed / f"{case}.rank{rank}.npz")
+        results = [load(distributed / f"{case}.rank{rank}.npz") for rank in range(4)]
+        for rank, result in enumerate(results):
             assert sorted(result) == sorted(expected)
             for key in expected:
                 tolerance = {"atol": 1e-5} if key.startswith("weight_") else {"rtol": 1e-5, "atol": 1e-6}
                 np.testing.assert_allclose(result[key], expected[key], **tolerance,
-                                           err_msg=f"{case}, rank {rank}, {key}")
+                                           err_msg=f"{backend}, {case}, rank {rank}, {key}")
+                if key.startswith("weight_"):
+                    np.testing.assert_array_equal(result[key], results[0][key], err_msg=f"{case}, rank {rank}, {key}")
 
 
 def test_cleanup_runs_on_every_host_of_the_hostfile(hosts):

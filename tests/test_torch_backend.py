@@ -15,7 +15,8 @@ families against serial Keras-on-torch; TNT_ZOO_CASES=all TNT_ZOO_BACKEND=torch 
 tests/test_zoo.py runs the whole zoo on torch). tests/workers/backend_inputs.py trains on file
 sources (the TFRecord and text-line pipelines of tests/test_file_sources.py), PyDatasets and NumPy
 arrays; the public collectives run on NumPy arrays, torch tensors and keras.Variables
-(tests/workers/backend_collectives.py); keras.random's draws in a custom step are serial Keras'
+(tests/workers/backend_collectives.py); a float16 gradient wire on a float32 model, and a bfloat16
+model's own bfloat16 wire, on 3 ranks (tests/test_gradient_wire.py); keras.random's draws in a custom step are serial Keras'
 (tests/workers/serial_draws.py, one process playing the ranks). TNT_BACKEND_TESTS=1 runs the whole matrix: every case of
 tests/workers/train_cases.py that torch can run on 2 ranks and the uneven-split ones on 3, and every
 input case on 2 and 3 ranks. Skipped where torch is not installed; PyPI's torch wheel brings 4 GB of CUDA
@@ -33,6 +34,7 @@ from conftest import (WORKERS, assert_accumulation_sums_once_per_cycle, assert_o
                       assert_saved_synchronized_model_trains_on_like_serial, launch, load_npz, refusals_by_rank,
                       run_python)
 from test_equivalence import UNEVEN_SPLIT_CASES
+from test_gradient_wire import check_wires
 from test_example import EXAMPLE, SHORT_RUN, accuracy_in, mnist_installed
 from workers.train_cases import CASES as TRAIN_CASE_NAMES
 import test_keras_surface
@@ -249,3 +251,7 @@ def test_keras_torch_backend_puts_new_tensors_on_the_device_tarantella_sets():
 def test_a_background_save_holds_the_model_as_it_was_though_training_goes_on(tmp_path):
     # test_keras_surface.py's check on torch, whose variables a step updates in place.
     test_keras_surface.test_a_background_save_holds_the_model_as_it_was_though_training_goes_on(tmp_path, "torch")
+
+
+def test_16_bit_wires_stay_within_their_stated_error_and_keep_the_ranks_equal_on_torch():
+    check_wires("torch", 3, ["float32-model-float16-wire", "bfloat16-model-auto"])

@@ -131,13 +131,14 @@ DEFAULT_CASES = {
         "distiller-train-step-without-call",
     ),
     # JAX's and torch's, on 2 ranks: an empty micro-batch; torch's also a tf.data pipeline
-    # transformed after batch() with add_loss, a masked Transformer, a subclassed model and the
+    # transformed after batch() with add_loss, a masked Transformer, a subclassed model, a bfloat16 model and the
     # on-batch methods (JAX's run only in the whole JAX zoo, for the default run's time: its masked
     # losses and file pipelines are in tests/test_jax_backend.py). tests/test_jax_backend.py and
     # tests/test_torch_backend.py cover the rest of the equivalence matrix on these backends.
     "jax": ("conv2d-empty-micro-batch",),
     "torch": (
         "transformer-encoder-classifier", "recommender-subclassed-per-sample-dot", "conv2d-empty-micro-batch",
+        "bfloat16-policy-cnn",
         "on-batch-methods", "batch-then-padded-batch-map-drop-remainder",
     ),
 }

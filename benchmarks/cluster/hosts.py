@@ -166,6 +166,15 @@ class EmulatedHosts(contextlib.AbstractContextManager):
                     run(*device, "qdisc", "add", "dev", name, "root", "tbf", "rate", f"{int(rate_bit)}bit",
                         "burst", str(burst), "latency", "50ms")
 
+    def bytes_sent(self):
+        """The bytes every host has sent over its link so far (what the bridge side of its veth
+        received): traffic between hosts only, since ranks on one host talk over shared memory."""
+        total = 0
+        for outer in self.outer:
+            with open(f"/sys/class/net/{outer}/statistics/rx_bytes") as counter:
+                total += int(counter.read())
+        return total
+
     def mpi_environment(self):
         """What the MPI launcher needs to start its proxies in the hosts."""
         return {"HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": self.ssh}

@@ -7,6 +7,8 @@ settings. Three things have no public form, because they exist for this benchmar
                                scaled bucket takes the algorithm its nominal size would
   use_ring(on)                 TNT_ALLREDUCE switched between windows of one job (the setting is
                                read once, at start), so that `tnt` and `tnt-mpi` share the rounds
+  use_by_node(on)              TNT_HIERARCHICAL_ALLREDUCE switched between windows, so that `tnt`
+                               (node by node where several ranks share a host) and `flat` share the rounds
   ring_allreduce(array)        one bucket through tarantella's own allreduce, for the link probe
   automatic_threshold_kb()     the fusion threshold tarantella picks for this job where
                                TNT_FUSION_THRESHOLD is unset (the worker sets it per variant)
@@ -31,6 +33,7 @@ def _layout():
     else:
         world.init()
         reduction = world.gradient_reducer().reduction
+        reduction = getattr(reduction, "_flat", reduction)  # under the reduction by node: the flat one
         from mpi4py import MPI
         return reducer, reduction, "_ring", lambda array: reduction.reduce_dense(MPI.COMM_WORLD, array)
     try:
@@ -57,6 +60,23 @@ def use_ring(on, default=[]):
     if not default:
         default.append(getattr(layout[1], layout[2]))
     setattr(layout[1], layout[2], default[0] and on)
+    return True
+
+
+def use_by_node(on):
+    """Large buckets summed node by node (True, where the job chose it: TNT_HIERARCHICAL_ALLREDUCE)
+    or by one ring over all ranks (False). None where the job sums them flat anyway; False where the
+    internal is gone."""
+    try:
+        from tarantella.runtime import world
+    except ImportError:
+        return False
+    reduction = world.gradient_reducer().reduction
+    if not hasattr(reduction, "_flat"):
+        return None
+    if not hasattr(reduction, "by_node"):
+        return False
+    reduction.by_node = on
     return True
 
 

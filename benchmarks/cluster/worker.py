@@ -10,6 +10,10 @@ traced once:
   fusion-KB    another fusion threshold (nominal KiB, scaled like the default)
   after-backprop  (JAX) TNT_JAX_GRADIENT_HANDOVER=after-backprop: every bucket summed after the
                whole backprop, where `tnt` picks by placement (per bucket as XLA computes it, across hosts)
+  accumulate-K Keras' gradient_accumulation_steps=K: one sum over the ranks per K micro-steps
+  wire-W       tnt.Model(gradient_wire=W), W bfloat16 or float16: the gradients travel in 16 bits
+  flat         the same model as tnt, its large buckets in one ring over all ranks where `tnt` sums
+               them node by node (several ranks per host; switched between windows)
   compute      the same profile model as plain Keras, no tnt.Model: each rank trains alone on a
                micro-batch, the compute-only step of the same ranks, the efficiency's numerator
                (so every cost tarantella adds, not only the gradient sum, counts against it)
@@ -78,7 +82,7 @@ def main():
 
     models, plans, batches = {}, {}, {}
     for label in args.variants.split(","):
-        base = "tnt" if label == "tnt-mpi" else label
+        base = "tnt" if label in ("tnt-mpi", "flat") else label
         if base in models:
             models[label], batches[label] = models[base], batches[base]
             continue
@@ -93,6 +97,7 @@ def main():
             models[label].fit(features, labels, MICRO_BATCH, 1, 2, False, 0)
             continue
         accumulation = int(base.split("-", 1)[1]) if base.startswith("accumulate-") else None
+        wire = base.split("-", 1)[1] if base.startswith("wire-") else None
         kb = {"one-bucket": ONE_BUCKET_KB}.get(base, default_kb)
         if base.startswith("fusion-"):
             kb = float(base.split("-", 1)[1])
@@ -102,7 +107,7 @@ def main():
         model = profile_model.build(profile, args.scale, args.time_factor)
         batch = MICRO_BATCH
         if base != "compute":
-            model, batch = tnt.Model(model), MICRO_BATCH * size
+            model, batch = tnt.Model(model, gradient_wire=wire), MICRO_BATCH * size
             plans[label] = kb
         # TensorFlow: a tf.function without XLA (the waits are host calls); JAX: Keras' jitted step
         # (un-jitted, JAX would trace every stage's custom_vjp anew at each step); torch: eager.
@@ -118,9 +123,10 @@ def main():
     control = protocol.Control(args.control, rank)
     reply = control.reply
     switchable = tnt_internals.use_ring(True)
+    by_node = tnt_internals.use_by_node(True)
     reply({"ready": True, "ranks": size, "thresholds_kb": plans, "backend": keras.backend.backend(),
            "hosts": sorted(set(world.allgather(socket.gethostname()))), "nodes": nodes, "ring_cut_over_scaled": scaled_ring,
-           "allreduce_switchable": switchable})
+           "allreduce_switchable": switchable, "by_node": by_node})
     while True:
         command = control.command()
         if command[0] == "end":
@@ -132,7 +138,13 @@ def main():
         if label == "tnt-mpi" and not switchable:
             reply({"label": label, "unavailable": "TNT_ALLREDUCE cannot be switched inside this tarantella"})
             continue
+        if label == "flat" and not by_node:
+            reply({"label": label, "unavailable": "this job sums flat already (one rank per host, or "
+                                                  "TNT_HIERARCHICAL_ALLREDUCE=off), or cannot switch"})
+            continue
         tnt_internals.use_ring(label != "tnt-mpi")
+        if by_node:
+            tnt_internals.use_by_node(label != "flat")
         world.Barrier()
         window = protocol.timed_window(label, lambda steps, callbacks: models[label].fit(
             features, labels, batch_size=batches[label], epochs=1, steps_per_epoch=steps, shuffle=False, verbose=0,

@@ -7,7 +7,10 @@ gradients exist, so that its sum overlaps with the rest of backprop.
 
 import numpy as np
 
-# MPI has no portable 16-bit float, so 16-bit values travel, and are added, as float32.
+from tarantella.runtime import reducer
+
+# MPI has no portable 16-bit float: 16-bit values are added as float32, and a 16-bit gradient wire
+# (runtime.reducer.SixteenBitWire) moves 16-bit bits as integers.
 SIXTEEN_BIT_FLOATS = ("float16", "bfloat16")
 
 # The automatic fusion threshold (TNT_FUSION_THRESHOLD unset). On one node a message costs a few
@@ -34,6 +37,16 @@ def wire_dtype(dtype_name):
     """The name of the dtype in which a gradient (or a value of a collective) of `dtype_name` is
     summed over the ranks: float32 for a 16-bit float, else its own."""
     return "float32" if dtype_name in SIXTEEN_BIT_FLOATS else dtype_name
+
+
+def gradient_wire(requested, variable_dtypes):
+    """The type a model's gradients travel in: `requested` ("float32", "bfloat16" or "float16"), or
+    for "auto" the variables' own 16-bit type where every one of `variable_dtypes` (names) is that
+    type, else float32, so that a float32 model's sums stay exact unless the user asks otherwise."""
+    if requested != "auto":
+        return requested
+    kinds = set(variable_dtypes)
+    return kinds.pop() if len(kinds) == 1 and kinds <= set(SIXTEEN_BIT_FLOATS) else "float32"
 
 
 def plan_buckets(sizes_in_bytes, dtypes, threshold_bytes):
@@ -89,6 +102,6 @@ class BucketLayout:
         return [f"{dtype}[{size}]" for dtype, size, _ in self.buckets]
 
 
-def round_description(bucket_names):
-    """What a step's sequence of collectives says of its gradient round."""
-    return "a gradient allreduce of buckets " + ", ".join(bucket_names)
+def round_description(bucket_names, wire):
+    """What a step's sequence of collectives says of its gradient round, sent as `wire`."""
+    return reducer.round_on_wire("a gradient allreduce of buckets " + ", ".join(bucket_names), wire)

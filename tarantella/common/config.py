@@ -27,6 +27,9 @@ class Setting(NamedTuple):
 # of sysexits.h: try again later), so that a batch script can requeue exactly those jobs.
 SAVED_AND_STOPPED_STATUS = 75
 
+# The types gradients may travel in between ranks; "auto" picks the variables' own 16-bit type, else float32.
+GRADIENT_WIRES = ("auto", "float32", "bfloat16", "float16")
+
 # Every setting a user may give (and the two the command sets for itself), in the documentation's order.
 SETTINGS = {setting.name: setting for setting in (
     Setting("TNT_FUSION_THRESHOLD", "number", None, "smallest fused gradient allreduce, in KiB; 0 sends every "
@@ -57,6 +60,14 @@ SETTINGS = {setting.name: setting for setting in (
             "each binding its threads to its own share; ranks bound already keep their binding"),
     Setting("TNT_ALLREDUCE", "choice", "ring", "`ring`: large gradient buckets go through tarantella's ring "
             "allreduce; `mpi`: always `MPI_Allreduce`", choices=("ring", "mpi")),
+    Setting("TNT_HIERARCHICAL_ALLREDUCE", "choice", "auto", "large gradient buckets summed within each node "
+            "first (shared memory), then across the nodes by one rank per node, then shared within the node: `on` "
+            "or `off` forces either", choices=("auto", "on", "off"),
+            shown_default="`auto`: on where several nodes hold several ranks each"),
+    Setting("TNT_GRADIENT_WIRE", "choice", "auto", "the type gradients travel in between ranks: `bfloat16` or "
+            "`float16` halve the bytes (rounded once before sending, added in float32); `float32` sends them "
+            "exactly; a `tnt.Model(gradient_wire=...)` argument overrides it", choices=GRADIENT_WIRES,
+            shown_default="`auto`: the variables' own type where it is 16-bit, else `float32`"),
     Setting("TNT_JAX_GRADIENT_HANDOVER", "choice", "auto", "Keras' JAX backend on CPUs: `per-bucket` hands each "
             "gradient bucket to the allreduce as XLA computes it, overlapping backprop; `after-backprop` sums "
             "them all after it", choices=("auto", "per-bucket", "after-backprop"),
@@ -157,6 +168,31 @@ def ring_allreduce():
         raise ValueError(f"TNT_ALLREDUCE={choice!r} must be 'ring' (large buckets in a ring over "
                          "MPI point-to-point) or 'mpi' (always MPI_Allreduce).")
     return choice == "ring"
+
+
+def hierarchical_allreduce():
+    """TNT_HIERARCHICAL_ALLREDUCE: 'auto', 'on' or 'off'."""
+    choice = os.environ.get("TNT_HIERARCHICAL_ALLREDUCE", "").strip().lower() or _default("TNT_HIERARCHICAL_ALLREDUCE")
+    if choice not in SETTINGS["TNT_HIERARCHICAL_ALLREDUCE"].choices:
+        raise ValueError(f"TNT_HIERARCHICAL_ALLREDUCE={choice!r} must be 'on' (large gradient buckets summed within "
+                         "each node first), 'off' (one ring over all ranks) or 'auto' (on where several nodes hold "
+                         "several ranks each).")
+    return choice
+
+
+def gradient_wire():
+    """TNT_GRADIENT_WIRE: 'auto', 'float32', 'bfloat16' or 'float16'."""
+    return check_gradient_wire(os.environ.get("TNT_GRADIENT_WIRE", "").strip().lower() or
+                               _default("TNT_GRADIENT_WIRE"), "TNT_GRADIENT_WIRE=")
+
+
+def check_gradient_wire(choice, where):
+    """`choice` where it names a gradient wire; else a ValueError naming `where` it came from."""
+    if choice not in GRADIENT_WIRES:
+        raise ValueError(f"{where}{choice!r} is not a gradient wire: use 'bfloat16' or 'float16' (half the bytes, "
+                         "rounded once before sending), 'float32' (exact) or 'auto' (the variables' own type "
+                         "where it is 16-bit, else float32).")
+    return choice
 
 
 def jax_gradient_handover():
@@ -282,7 +318,8 @@ def restart_attempt():
 _READERS = {
     "TNT_FUSION_THRESHOLD": fusion_threshold_bytes, "TNT_COLLECTIVE_TIMEOUT": collective_timeout_s,
     "TNT_THREADS_PER_RANK": threads_per_rank, "TNT_BIND_CORES": bind_cores, "TNT_ALLREDUCE": ring_allreduce,
-    "TNT_JAX_GRADIENT_HANDOVER": jax_gradient_handover,
+    "TNT_JAX_GRADIENT_HANDOVER": jax_gradient_handover, "TNT_GRADIENT_WIRE": gradient_wire,
+    "TNT_HIERARCHICAL_ALLREDUCE": hierarchical_allreduce,
     "TNT_OUTPUT_ON_ALL_DEVICES": output_on_all_devices, "TNT_TENSORBOARD_ON_ALL_DEVICES": tensorboard_on_all_devices,
     "TNT_LOG_ON_ALL_DEVICES": log_on_all_devices, "TNT_USE_GPU": use_gpu, "TNT_SHARE_GPUS": share_gpus,
     "TNT_ANNOUNCE_RANKS": announce_ranks,

@@ -13,16 +13,23 @@ import numpy as np
 from tarantella.runtime import world
 
 
-def check_same_compile_settings(comm, model):
-    """Raises ValueError on every rank if the ranks compiled `model` differently."""
-    settings = model.get_compile_config() if model.compiled else None
+def check_same_compile_settings(comm, model, gradient_wire):
+    """Raises ValueError on every rank if the ranks compiled `model` differently, or would send its
+    gradients in different types (`gradient_wire`): the bytes they exchange would not match."""
+    settings = (model.get_compile_config() if model.compiled else None, gradient_wire)
     everyone = comm.allgather(settings, "the check that all ranks compiled the same training step")
     master = everyone[world.MASTER_RANK]
     differing = [rank for rank, theirs in enumerate(everyone) if theirs != master]
     if not differing:
         return
     rank = differing[0]
-    where, theirs, masters = _first_difference(everyone[rank], master, "compile")
+    if everyone[rank][1] != master[1]:
+        raise ValueError(
+            f"The gradient wire differs between ranks (ranks {differing} differ from the master): the gradients "
+            f"would travel as {everyone[rank][1]} on rank {rank} but as {master[1]} on the master. Give every rank "
+            "the same TNT_GRADIENT_WIRE (the `tarantella` command's -x passes it to all) and the same "
+            "tnt.Model(gradient_wire=...).")
+    where, theirs, masters = _first_difference(everyone[rank][0], master[0], "compile")
     raise ValueError(
         f"The compiled training step differs between ranks (ranks {differing} differ from the master): "
         f"{where} is {theirs!r} on rank {rank} but {masters!r} on the master. Every rank must compile the "

@@ -164,7 +164,7 @@ class Inputs:
         for optimizer in self._step.optimizers():
             if optimizer.built:
                 variables += list(optimizer.variables)
-        checks.check_same_compile_settings(self._comm, self)
+        checks.check_same_compile_settings(self._comm, self, self.gradient_wire)
         checks.check_same_variables_everywhere(self._comm, variables)
         checks.broadcast_from_master(self._comm, variables, "the broadcast of the master's weights")
         accumulation.count_on_master_only(self._comm, self._step.locally_accumulating_optimizers())

@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from tarantella import backends, saving
-from tarantella.backends import accumulation
+from tarantella.backends import accumulation, fusion
 from tarantella import callbacks as callbacks_module
 from tarantella.common import config
 from tarantella.model import batch_normalization, checks, host_copy
@@ -73,17 +73,24 @@ class Model(Loops, Inputs, keras.Model):
             with the statistics of the whole global batch, so training equals serial training
             on any number of ranks. (On one rank the layers stay as they are.) Saved files and
             configs hold the layers as the model's author built them.
+        gradient_wire: the type the gradients travel in between ranks: "bfloat16" or "float16"
+            sends half the bytes (each rank rounds its gradients once to 16 bits; they are added
+            in float32, and the sum is rounded once more), "float32" sends them exactly, "auto"
+            takes the variables' own type where they are all bfloat16 or all float16 (read from
+            the model's dtype policy if it is not built yet), else float32. None (the default)
+            takes TNT_GRADIENT_WIRE, which defaults to "auto".
 
     Raises:
         TypeError: `model` is not a `keras.Model`, or is a tnt.Model already, or
             `synchronized_batch_normalization` is not a bool.
-        ValueError: `parallel_strategy` is not `tnt.ParallelStrategy.DATA`.
+        ValueError: `parallel_strategy` is not `tnt.ParallelStrategy.DATA`, or `gradient_wire`
+            names no wire.
         NotImplementedError: the model overrides `train_step` or `test_step` on the JAX or
             PyTorch backend.
     """
 
     def __init__(self, model: keras.Model, parallel_strategy: ParallelStrategy = ParallelStrategy.DATA,
-                 synchronized_batch_normalization: bool = False) -> None:
+                 synchronized_batch_normalization: bool = False, gradient_wire: str | None = None) -> None:
         if isinstance(model, Model):
             raise TypeError("This model is already a tnt.Model; wrap the plain Keras model once.")
         if not isinstance(model, keras.Model):
@@ -94,6 +101,8 @@ class Model(Loops, Inputs, keras.Model):
         if not isinstance(synchronized_batch_normalization, bool):
             raise TypeError(f"synchronized_batch_normalization must be True or False; got "
                             f"{synchronized_batch_normalization!r}.")
+        wire = config.gradient_wire() if gradient_wire is None else config.check_gradient_wire(
+            gradient_wire, "tnt.Model(gradient_wire=...): ")
         checks.refuse_what_the_backend_lacks(backends.step_class(), model)
         super().__init__(name=model.name)
         self._keras_model = model
@@ -109,7 +118,10 @@ class Model(Loops, Inputs, keras.Model):
         self._local_epoch_logs = None
         self._sources = BatchSources()
         self._epoch_order = None  # fit's, while it runs
-        self._step = backends.for_model(self._comm, world.gradient_reducer(), model)
+        variable_dtypes = ([v.dtype for v in model.trainable_variables] if model.built else
+                           [model.dtype_policy.variable_dtype])
+        self.gradient_wire = fusion.gradient_wire(wire, variable_dtypes)
+        self._step = backends.for_model(self._comm, world.gradient_reducer(self.gradient_wire), model)
         # On TensorFlow a host-side allreduce cannot live inside an XLA cluster; JAX's jitted step
         # reaches it through callbacks.
         self._host_allreduce_outside_xla = self._distributed and not self._step.collectives_inside_xla

@@ -7,7 +7,8 @@ below the observer imports it. The observer's methods:
   run_collective(what, body) -> body(), timed as a collective the worker issues;
   caller_waited(what, since) after the calling thread waited for `what` from `since` on;
   handed_over(index) when a step hands over gradient bucket `index`;
-  timed_buckets(reduce) -> `reduce` (one bucket -> its sum), wrapped to time each bucket;
+  timed_buckets(reduce, wire_bytes) -> `reduce` (one bucket -> its sum), wrapped to time each
+    bucket and record its `wire_bytes(bucket)`;
   input_arrived(timestamp_s) when a step's batch arrived (its tf.timestamp());
   timed_steps(function, kind) -> Keras' train or test `function`, wrapped to time each call;
   span(name) -> a context that times `name` on the main thread (a save, say);

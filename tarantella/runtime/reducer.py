@@ -5,13 +5,15 @@ A step calls `submit(index, count, array, ...)` for each bucket as it becomes re
 `collect()` for the results. How a bucket is reduced is the reducer's `reduction`, an object with
   reduce_dense(mpi_comm, array): sum `array` over the ranks in place (it runs on the worker);
   reduce_sparse(mpi_comm, indices, values) -> (indices, values) of the global batch;
-so that another reduction (a 16-bit wire, a reduce-scatter, no sum at all) plugs in here without
-touching the worker or the steps. `SumOverRanks` is the default: MPI's allreduce for small
-buckets, a ring (MPI moves the bytes, numpy adds) for large ones.
+so that another reduction (a reduce-scatter, no sum at all) plugs in here without touching the
+worker or the steps. `SumOverRanks` is the default: MPI's allreduce for small buckets, a ring (MPI
+moves the bytes, numpy adds) for large ones. `SixteenBitWire` sends float32 buckets as 16-bit
+floats and adds them in float32.
 """
 
 import threading
 
+import ml_dtypes
 import numpy as np
 
 from tarantella.runtime import events
@@ -132,7 +134,8 @@ class Reducer:
                     sequence, samples, divisor = opening
                     begin = lambda: step_round.open(self._open_round(what, sequence, samples), divisor)
                 else:
-                    agree_on = None if agreed else f"{Collective.GRADIENTS.what} of {count} buckets"
+                    agree_on = None if agreed else round_on_wire(f"{Collective.GRADIENTS.what} of {count} buckets",
+                                                                 self.reduction.wire)
                     begin = lambda: comm.enter(what, agree_on, kind=Collective.GRADIENTS)
                 comm.submit_job(lambda: self._reduce_round(step_round, begin))
             step_round = self._round
@@ -150,7 +153,8 @@ class Reducer:
 
     def _reduce_round(self, step_round, begin):
         observer = events.observer
-        reduce = self._reduce_bucket if observer is None else observer.timed_buckets(self._reduce_bucket)
+        reduce = (self._reduce_bucket if observer is None else
+                  observer.timed_buckets(self._reduce_bucket, self.reduction.wire_bytes))
         try:
             step_round.reduce_in_plan_order(begin, reduce)
         finally:
@@ -180,6 +184,12 @@ class Reducer:
         return step_round.arrays
 
 
+def round_on_wire(description, wire):
+    """What the ranks agree on for a gradient round: its `description`, and the wire where it is not
+    float32, so that ranks that would send different bytes fail at once, naming both wires."""
+    return description if wire == "float32" else f"{description}, sent as {wire}"
+
+
 class SumOverRanks:
     """The gradients of the global batch: buckets summed over the ranks, sparse gradients joined.
 
@@ -189,14 +199,21 @@ class SumOverRanks:
             (TNT_ALLREDUCE=mpi turns it off).
     """
 
+    wire = "float32"
+
     def __init__(self, mpi, ring=True):
-        self._MPI = mpi
+        self.mpi = mpi
         self._ring = ring
         self._scratch = np.empty(0, np.uint8)
 
+    @staticmethod
+    def wire_bytes(bucket):
+        """The bytes of a bucket as it travels (what the timeline records)."""
+        return sum(a.nbytes for a in bucket) if isinstance(bucket, tuple) else bucket.nbytes
+
     def reduce_dense(self, mpi_comm, array):
         """Sums `array` over all ranks in place (runs on the worker)."""
-        MPI = self._MPI
+        MPI = self.mpi
         size = mpi_comm.Get_size()
         if array.nbytes < _RING_MIN_BYTES or not self._ring or size == 1:
             mpi_comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
@@ -231,6 +248,91 @@ class SumOverRanks:
             gathered.reshape(size, count), np.broadcast_to(indices, (size, count))))
         if ranks_alike:
             values = np.array(values, copy=True, order="C")
-            mpi_comm.Allreduce(self._MPI.IN_PLACE, values, op=self._MPI.SUM)
+            mpi_comm.Allreduce(self.mpi.IN_PLACE, values, op=self.mpi.SUM)
             return indices, values
         return gathered, allgather_rows(mpi_comm, values)
+
+
+class ByNode:
+    """Large buckets summed node by node: within each node to its first rank (MPI's reduce over
+    shared memory), across the nodes by those first ranks alone (`flat`: the ring), then from each
+    node's first rank to the others (MPI's broadcast). The network carries one rank per node, so the
+    ring across nodes has p/R ranks instead of p, and pays 2 (nodes - 1) latencies instead of
+    2 (p - 1). Every rank ends with the bits its node's first rank got from the ring, the same on
+    every rank.
+
+    Buckets below the ring's size, sparse gradients and jobs of one rank take `flat` as they are.
+
+    Args:
+        flat: the reduction over all ranks (SumOverRanks).
+        node_comm: the ranks of this rank's node (MPI_Comm_split_type SHARED).
+        leaders_comm: the first rank of every node, or None on the other ranks.
+    """
+
+    def __init__(self, flat, node_comm, leaders_comm):
+        self._flat = flat
+        self._node = node_comm
+        self._leaders = leaders_comm
+        self.wire = flat.wire
+        self.wire_bytes = flat.wire_bytes
+        self.by_node = True  # False sends every bucket through `flat` (the emulated cluster's switch)
+
+    def reduce_dense(self, mpi_comm, array):
+        if not self.by_node or array.nbytes < _RING_MIN_BYTES or mpi_comm.Get_size() == 1:
+            self._flat.reduce_dense(mpi_comm, array)
+            return
+        MPI = self._flat.mpi
+        if self._leaders is not None:
+            self._node.Reduce(MPI.IN_PLACE, array, op=MPI.SUM, root=0)
+            self._flat.reduce_dense(self._leaders, array)
+        else:
+            self._node.Reduce(array, None, op=MPI.SUM, root=0)
+        self._node.Bcast(array, root=0)
+
+    def reduce_sparse(self, mpi_comm, indices, values):
+        return self._flat.reduce_sparse(mpi_comm, indices, values)
+
+
+_SIXTEEN_BIT = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+class SixteenBitWire:
+    """Float32 buckets travel as 16-bit floats and are added in float32: half the bytes.
+
+    Each rank rounds its bucket once to `wire` (round to nearest even) and sends chunk i to rank
+    i (MPI's all-to-all); rank i adds the p chunks it receives in float32, in rank order, rounds
+    the sum once and sends it to every rank (MPI's allgather). Every rank, the owner too, ends
+    with the same rounded sums: the weights stay bitwise equal across ranks. MPI only moves the
+    bytes, so no 16-bit MPI type is needed.
+
+    Other buckets (the float64 sample counts, integers) and sparse gradients are summed exactly
+    by `exact`; so is everything on one rank, where nothing leaves the process.
+    """
+
+    def __init__(self, exact, wire):
+        self._exact = exact
+        self.wire = wire
+        self._dtype = np.dtype(_SIXTEEN_BIT[wire])
+
+    def wire_bytes(self, bucket):
+        if isinstance(bucket, np.ndarray) and bucket.dtype == np.float32:
+            return bucket.size * self._dtype.itemsize
+        return self._exact.wire_bytes(bucket)
+
+    def reduce_dense(self, mpi_comm, array):
+        size = mpi_comm.Get_size()
+        if array.dtype != np.float32 or size == 1:
+            self._exact.reduce_dense(mpi_comm, array)
+            return
+        flat = array.reshape(-1)
+        chunk = -(-flat.size // size)
+        outgoing = np.zeros((size, chunk), self._dtype)  # the padding of the last chunk stays 0
+        outgoing.reshape(-1)[:flat.size] = flat
+        incoming = np.empty_like(outgoing)
+        mpi_comm.Alltoall(outgoing.view(np.uint16), incoming.view(np.uint16))
+        own_sum = incoming.astype(np.float32).sum(axis=0).astype(self._dtype)
+        mpi_comm.Allgather(own_sum.view(np.uint16), outgoing.view(np.uint16))
+        flat[:] = outgoing.reshape(-1)[:flat.size]
+
+    def reduce_sparse(self, mpi_comm, indices, values):
+        return self._exact.reduce_sparse(mpi_comm, indices, values)

@@ -1,5 +1,5 @@
 """The world of this process: MPI started (or a serial stand-in), the communicator every collective
-runs on, the gradient reducer, this rank's share of its node, and the rank queries."""
+runs on, the gradient reducers, this rank's share of its node, and the rank queries."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tarantella.runtime import failure
 from tarantella.runtime.communicator import MASTER_RANK, Communicator
 from tarantella.runtime.errors import collective_failure_behind
 from tarantella.runtime.node import NodeShare, bind_to_own_cores
-from tarantella.runtime.reducer import Reducer, SumOverRanks
+from tarantella.runtime.reducer import ByNode, Reducer, SixteenBitWire, SumOverRanks
 from tarantella.runtime.serial import SerialMPI
 
 # What the package publishes of this module (as tnt.get_rank, ...); its other functions serve the package.
@@ -23,7 +23,7 @@ logger = logging.getLogger("tarantella")
 
 _world = None
 _MPI = None  # mpi4py's MPI module, or SerialMPI
-_reducer = None
+_reducers = {}  # wire -> its Reducer
 _node_share = None
 # Set in every rank by the MPI launchers (Hydra, Open MPI, PMIx) and by the `tarantella` command.
 _LAUNCHER_VARIABLES = ("TNT_ANNOUNCE_RANKS", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
@@ -35,10 +35,13 @@ def mpi():
     return _MPI
 
 
-def gradient_reducer():
-    """The reducer of the training steps' gradient buckets (one per process, on the world's worker)."""
+def gradient_reducer(wire="float32"):
+    """The reducer of the training steps' gradient buckets that sends them as `wire` ("float32",
+    "bfloat16" or "float16"): one per wire and process, all on the world's worker."""
     init()
-    return _reducer
+    if wire not in _reducers:
+        _reducers[wire] = Reducer(_world, SixteenBitWire(_reducers["float32"].reduction, wire))
+    return _reducers[wire]
 
 
 def node_share():
@@ -60,7 +63,7 @@ def init() -> Communicator:
         RuntimeError: the MPI launcher and the MPI library do not fit (every rank a job of its own).
         ValueError: a `TNT_*` setting of the environment is invalid.
     """
-    global _world, _MPI, _reducer, _node_share
+    global _world, _MPI, _node_share
     if _world is not None:
         return _world
     setting_warnings = config.check_environment()  # bad settings fail here, on every rank, before any collective
@@ -87,13 +90,25 @@ def init() -> Communicator:
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     local_rank, local_size = node.Get_rank(), node.Get_size()
     bound_to_own_cores = local_size > 1 and config.bind_cores() and bind_to_own_cores(node, local_rank)
-    node.Free()
-    nodes = sum(world.allgather(local_rank == 0))
+    by_node_settings = world.allgather((local_size if local_rank == 0 else 0, config.hierarchical_allreduce()))
+    ranks_per_node = [size for size, _ in by_node_settings]
+    nodes = sum(1 for size in ranks_per_node if size)
+    if len({setting for _, setting in by_node_settings}) > 1:
+        node.Free()
+        raise ValueError("TNT_HIERARCHICAL_ALLREDUCE differs between ranks (" + ", ".join(
+            f"rank {rank}: {setting}" for rank, (_, setting) in enumerate(by_node_settings)) + "); give every rank "
+            "the same (the `tarantella` command's -x passes it to all).")
     _node_share = NodeShare(local_rank, local_size, bound_to_own_cores, nodes)
     side = world.Dup() if world.Get_size() > 1 else None
     _world = Communicator(MPI, world.Dup(), config.collective_timeout_s(), side_comm=side,
                           stall_warning_s=config.stall_warning_s())
-    _reducer = Reducer(_world, SumOverRanks(MPI, ring=config.ring_allreduce()))
+    sum_over_ranks = SumOverRanks(MPI, ring=config.ring_allreduce())
+    if world.Get_size() > 1 and _by_node(by_node_settings[0][1], nodes, max(ranks_per_node)):
+        leaders = world.Split(0 if local_rank == 0 else MPI.UNDEFINED, world.Get_rank())
+        sum_over_ranks = ByNode(sum_over_ranks, node, None if leaders == MPI.COMM_NULL else leaders)
+    else:
+        node.Free()
+    _reducers["float32"] = Reducer(_world, sum_over_ranks)
     if _world.peers is not None:
         # Registered after MPI's own exit handler, so it runs first, while MPI still works.
         atexit.register(failure.finish, _world)
@@ -112,6 +127,15 @@ def init() -> Communicator:
             failure.report_the_programs_mpi_aborts(MPI)
     return _world
 
+
+
+def _by_node(setting, nodes, most_ranks_on_a_node):
+    """Whether large gradient buckets are summed node by node (TNT_HIERARCHICAL_ALLREDUCE): `auto`
+    where several nodes hold several ranks each (one node has nothing to cross; one rank per node
+    nothing to gather first)."""
+    if setting == "auto":
+        return nodes > 1 and most_ranks_on_a_node > 1
+    return setting == "on"
 
 
 def _started_by_an_mpi_launcher():

@@ -137,6 +137,13 @@ def different_optimizers():
     model.fit(dataset(), epochs=1, verbose=0)
 
 
+def different_wires():
+    """Rank 0 sends bfloat16 gradients, rank 1 float32: the bytes they exchange would not match."""
+    model = tnt.Model(small_model(), gradient_wire="bfloat16" if tnt.get_rank() == 0 else "float32")
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    model.fit(dataset(), epochs=1, verbose=0)
+
+
 def master_only_save():
     """The habit from Horovod: only the master calls save, after training."""
     model = compiled()
@@ -222,6 +229,7 @@ def bad_inputs():
     report_errors({
         "fit before compile": lambda: model.fit(dataset(), verbose=0),
         "Ftrl": lambda: model.compile(keras.optimizers.Ftrl(), "mse"),
+        "unknown gradient wire": lambda: tnt.Model(small_model(), gradient_wire="fp16"),
     })
     model = compiled()
     x, y = np.zeros((8, 6), np.float32), np.zeros(8)
@@ -442,6 +450,7 @@ SCENARIOS = {
     "mpi-abort-on-rank-1": mpi_abort_on_rank_1,
     "evaluate-while-fit": evaluate_while_fit,
     "different-optimizers": different_optimizers,
+    "different-wires": different_wires,
     "master-callback-fails": master_callback_fails,
     "master-only-save": master_only_save,
     "saves": saves,

@@ -82,7 +82,7 @@ class BucketSum:
             buckets = [jnp.zeros_like(b) for b in buckets]
         agreed = sequence is not None
         if agreed:
-            sequence.append(fusion.round_description(layout.names()))
+            sequence.append(fusion.round_description(layout.names(), self._reducer.reduction.wire))
         specs = [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buckets]
         conditional = only_if is not None
         if self._per_bucket and contributes:

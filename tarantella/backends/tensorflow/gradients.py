@@ -72,7 +72,7 @@ class GradientAllreduce:
         opens = step_sequence if opening is not None else None
         if agreed:
             sparse_names = ["sparse"] * (len(items) - len(layout.buckets))
-            step_sequence.append(fusion.round_description(layout.names() + sparse_names))
+            step_sequence.append(fusion.round_description(layout.names() + sparse_names, self._reducer.reduction.wire))
         handed_over, result_dtypes = [], []
         for index, members in enumerate(items):
             submit = functools.partial(self._submit, index, len(items), agreed, opens)

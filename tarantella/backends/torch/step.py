@@ -223,9 +223,9 @@ class TorchStep(Step):
         data, samples = at_least_one_row(data)
         outputs = self._model.predict_step(data)
         leaves = keras.tree.flatten(outputs)
-        own_rows = [leaf[:samples].detach().cpu().numpy() for leaf in leaves]
+        own_rows = [_host_array(leaf[:samples]) for leaf in leaves]
         every_rank = self._comm.allgather_interleaved_rows(own_rows, Collective.PREDICTIONS)
-        return keras.tree.pack_sequence_as(outputs, [torch.from_numpy(rows) for rows in every_rank])
+        return keras.tree.pack_sequence_as(outputs, [_tensor_like(rows, leaf) for rows, leaf in zip(every_rank, leaves)])
 
     # -- gradients ------------------------------------------------------------------------------
 
@@ -236,7 +236,8 @@ class TorchStep(Step):
         if self._plan is None or self._plan.variables != variables:
             if self._plan is not None:
                 self._plan.remove_hooks()
-            self._plan = _BucketPlan(variables, self._threshold_bytes, self._on_gradient_ready)
+            self._plan = _BucketPlan(variables, self._threshold_bytes, self._reducer.reduction.wire,
+                                     self._on_gradient_ready)
         return self._plan
 
     def _on_gradient_ready(self, position, parameter):
@@ -323,14 +324,14 @@ class _SumOverRanks(torch.autograd.Function):
 class _BucketPlan:
     """Where each trainable variable's gradient goes: its bucket, and its place in the bucket."""
 
-    def __init__(self, variables, threshold_bytes, on_ready):
+    def __init__(self, variables, threshold_bytes, wire, on_ready):
         self.variables = variables
         layout = fusion.BucketLayout([int(np.prod(v.shape)) for v in variables],
                                      [fusion.wire_dtype(keras.backend.standardize_dtype(v.dtype)) for v in variables],
                                      threshold_bytes, list(reversed(range(len(variables)))))
         self.buckets = layout.buckets  # (dtype name, size, [(variable index, offset, size)])
         self.place = layout.place  # variable index -> (bucket, offset, size)
-        self.description = fusion.round_description(layout.names())
+        self.description = fusion.round_description(layout.names(), wire)
         self._hooks = [v.value.register_post_accumulate_grad_hook(
             lambda parameter, position=i: on_ready(position, parameter)) for i, v in enumerate(variables)]
 
@@ -394,10 +395,14 @@ class _GradientRound:
 
     def add(self, position, gradient):
         bucket, offset, size = self.plan.place[position]
-        if self._contributes and self._adds:
-            self._buffers[bucket][offset:offset + size] += gradient.detach().reshape(-1).cpu().numpy()
-        elif self._contributes:
-            self._buffers[bucket][offset:offset + size] = gradient.detach().reshape(-1).cpu().numpy()
+        if self._contributes:
+            flat = gradient.detach().reshape(-1)
+            if flat.dtype == torch.bfloat16:  # NumPy has no bfloat16; its bucket is float32 (exact)
+                flat = flat.float()
+            if self._adds:
+                self._buffers[bucket][offset:offset + size] += flat.cpu().numpy()
+            else:
+                self._buffers[bucket][offset:offset + size] = flat.cpu().numpy()
         self._missing[bucket] -= 1
         if self._missing[bucket] == 0:
             if self._moments_gradients_to_come > 0:
