@@ -19,8 +19,10 @@ for length in [1, 5, 1000, 262143, 262144 + 7, 1_000_003]:
     for dtype in (np.float32, np.float64):
         mine = np.random.default_rng(tnt.get_rank() * 7919 + length).normal(size=length).astype(dtype)
         everyone = comm.allgather(mine, "reference")
+        # Copied before `mine` is handed over: the worker may sum it in place at once.
+        first_half = mine[: length // 2].copy()
         reducer.submit(0, 2, mine)
-        reducer.submit(1, 2, mine[: length // 2].copy())
+        reducer.submit(1, 2, first_half)
         total, half = reducer.collect()
         np.testing.assert_allclose(total, np.sum(everyone, axis=0), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(half, np.sum(everyone, axis=0)[: length // 2], rtol=1e-5, atol=1e-5)
