@@ -21,10 +21,11 @@ There is no netem on this kernel, so no delay is added; the projection uses the 
 
 Variants, all in the same job and the same rounds (a round: every link profile, and on each
 every variant, one window of --steps timed steps each, the order reversed every other round):
-  tnt         tarantella as it is (its automatic fusion threshold for the job's ranks and hosts, nominal)
+  tnt         tarantella as it is: its automatic fusion threshold for the job's ranks, hosts and link
+              (tarantella measures each link profile as shaped; the rate times the byte scale is nominal)
   tnt-mpi     TNT_ALLREDUCE=mpi (MPI_Allreduce for every bucket)
   one-bucket  a fusion threshold above the model's size: one bucket, after backprop (no overlap)
-  fusion-KB   fusion threshold KB KiB (nominal); --thresholds picks two (default 1024, 8192)
+  fusion-KB   fusion threshold KB KiB (nominal); --thresholds picks two (default 32, 8192)
   after-backprop  (--backend jax, named only) TNT_JAX_GRADIENT_HANDOVER=after-backprop: the buckets
               summed after the whole backprop, against `tnt`'s hand-over per bucket across hosts
   accumulate-K  (named only) tarantella with Keras' gradient_accumulation_steps=K, which sums over the
@@ -290,12 +291,14 @@ def measure(model, ranks, ranks_per_host, links, labels, scale, repeats, steps, 
             probes, windows = {}, {link: {label: [] for label in labels} for link in links}
             for link in links:
                 emulated.shape(cluster_hosts.PROFILES[link].shaped_rate_bit(scale))
-                job.send("probe")
-                probes[link] = job.receive(WINDOW_TIMEOUT_S)
+                job.send(f"probe {link}")
+                probes[link] = job.receive(START_TIMEOUT_S)  # builds the models of the link's threshold
             for repeat in range(repeats):
                 link_order = links if repeat % 2 == 0 else links[::-1]
                 for link in link_order:
                     emulated.shape(cluster_hosts.PROFILES[link].shaped_rate_bit(scale))
+                    job.send(f"link {link}")
+                    job.receive(WINDOW_TIMEOUT_S)
                     for label in (labels if repeat % 2 == 0 else labels[::-1]):
                         runner = runners[-1] if label in HOROVOD_LABELS else job
                         sent_before = emulated.bytes_sent()
@@ -316,7 +319,7 @@ def measure(model, ranks, ranks_per_host, links, labels, scale, repeats, steps, 
             for runner in runners:
                 runner.stop()
     facts = {"windows": windows, "probes": probes, "hosts": len(ready["hosts"]), "start_seconds": start_s,
-             "thresholds_kb": ready["thresholds_kb"], "backend": ready.get("backend"), "by_node": ready.get("by_node"),
+             "backend": ready.get("backend"), "by_node": ready.get("by_node"),
              "seconds": time.monotonic() - started}
     if horovod is not None:
         facts["horovod"] = {key: horovod[key] for key in ("allreduce_check", "fusion_threshold_bytes", "cycle_time_ms",
@@ -326,7 +329,10 @@ def measure(model, ranks, ranks_per_host, links, labels, scale, repeats, steps, 
 
 # -- analysis -----------------------------------------------------------------------------
 
-def threshold_bytes_of(label, thresholds_kb, scale):
+def threshold_bytes_of(label, measured, link, scale):
+    """A variant's fusion threshold on `link`, scaled. (Runs saved before tarantella measured its
+    links have one set of thresholds for all links.)"""
+    thresholds_kb = measured["probes"][link].get("thresholds_kb") or measured["thresholds_kb"]
     return int(thresholds_kb[label if label not in ("tnt-mpi", "flat") else "tnt"] / scale * 1024)
 
 
@@ -364,7 +370,7 @@ def analyze(model, ranks, measured, scale):
                            efficiency_per_round=[c / s for c, s in zip(compute, steps)])
             elif label != "compute":
                 compute_s, buckets = step_model.schedule(
-                    stages, threshold_bytes_of(label, measured["thresholds_kb"], scale), scale)
+                    stages, threshold_bytes_of(label, measured, link, scale), scale)
                 options = {"algorithm": "mpi" if label == "tnt-mpi" else "tarantella",
                            "ring_min_bytes": step_model.RING_MIN_BYTES / scale, "ring_alpha": alpha_ring}
                 tails = [c - compute_s for c in compute]
@@ -513,7 +519,11 @@ def print_probes(results):
             for link, probe in result["measured"]["probes"].items():
                 print(f"  {model} p={p} {link}: Sendrecv {probe['sendrecv_s'] * 1e6:.0f} us, Allreduce(8 B) "
                       f"{probe['allreduce_8_bytes_s'] * 1e6:.0f} us, ring of {probe['ring_bytes']} B "
-                      + ("(no probe)" if probe["ring_s"] is None else f"{probe['ring_s'] * 1e3:.2f} ms"))
+                      + ("(no probe)" if probe["ring_s"] is None else f"{probe['ring_s'] * 1e3:.2f} ms")
+                      + ("" if not probe.get("tarantella_link") else
+                         f"; tarantella measured {probe['tarantella_link']['latency_us']:.0f} us and "
+                         f"{probe['tarantella_link']['gbit']:.3g} Gb/s nominal, and chose a fusion threshold of "
+                         f"{probe['thresholds_kb']['tnt']:g} KiB" if "tnt" in probe.get("thresholds_kb", {}) else ""))
 
 
 def print_horovod(results):

@@ -194,7 +194,7 @@ class Recorder:
         os.replace(partial, self.path)
         if report:
             from tarantella import backends
-            text = step_report(gathered, self.offsets, self.hosts, backends.fusion_threshold_bytes())
+            text = step_report(gathered, self.offsets, self.hosts, *backends.fusion_threshold())
             if text:
                 print(text + f"\nTrace: {self.path} (open it in https://ui.perfetto.dev or chrome://tracing)",
                       flush=True)

@@ -133,7 +133,7 @@ def stages_from_model_file(path, step_s):
 def project(compute_s, buckets_at, ranks, alpha, beta, per_bucket_s=0.0):
     """{p: {strategy: (step_s, efficiency)}}: tarantella (ring from 1 MiB, MPI below), every bucket by
     MPI's tree-like algorithms, and one bucket after backprop (no overlap). `buckets_at(p)` gives the
-    bucket schedule at p ranks (the automatic fusion threshold grows with p)."""
+    bucket schedule at p ranks (the automatic fusion threshold grows with p and the link)."""
     out = {}
     for p in ranks:
         buckets = buckets_at(p)
@@ -202,11 +202,12 @@ def schedules(args, compute_s, buckets, stages, fusion):
 
         def buckets_at(p):
             threshold = (args.threshold_kb * 1024 if args.threshold_kb is not None else
-                         fusion.automatic_threshold_bytes(p, math.ceil(p / args.ranks_per_node)))
+                         fusion.automatic_threshold_bytes(p, math.ceil(p / args.ranks_per_node),
+                                                          args.latency_us * 1e-6, args.gbit * 1e9 / 8))
             return schedule(stages, int(threshold), fusion.plan_buckets)[1]
         return (sum(s[2] + s[3] for s in stages), buckets_at,
                 "fusion threshold " + (f"{args.threshold_kb:g} KiB" if args.threshold_kb is not None else
-                                       "tarantella's automatic one at each rank count"))
+                                       "tarantella's automatic one at each rank count on this link"))
     if args.step_seconds:
         factor = args.step_seconds / compute_s
         compute_s, buckets = compute_s * factor, [(r * factor, n) for r, n in buckets]

@@ -154,9 +154,10 @@ def step_breakdown(by_rank, offsets):
     return result
 
 
-def step_report(by_rank, offsets, hosts, fusion_threshold_bytes=None):
+def step_report(by_rank, offsets, hosts, fusion_threshold_bytes=None, threshold_chosen=None):
     """The table printed after fit: per rank, ms per step and % of the step; the straggler, if one
-    rank holds the others up consistently; one line on what would help. None without training steps."""
+    rank holds the others up consistently; one line on what would help. None without training steps.
+    `threshold_chosen` says in words how the fusion threshold was chosen."""
     breakdown = step_breakdown(by_rank, offsets)
     counts = {len(steps) for steps in breakdown}
     if not counts or 0 in counts:
@@ -167,6 +168,8 @@ def step_report(by_rank, offsets, hosts, fusion_threshold_bytes=None):
     means = [{key: statistics.fmean(row[key] for row in rows[:steps]) / 1e6 for key in
               ("step", "compute", "input", "unhidden", "waiting")} for rows in breakdown]
     threshold = "" if fusion_threshold_bytes is None else f"; fusion threshold {fusion_threshold_bytes / 1024:g} KB"
+    if threshold and threshold_chosen:
+        threshold += f" ({threshold_chosen})"
     lines = [f"tarantella timeline: {steps} training steps on {len(breakdown)} rank(s) (the first, which traces, "
              f"left out){threshold}; ms per step (% of the step)",
              f"{'rank':<6}{'step':>9}" + "".join(f"  {title:>{max(len(title), 14)}}" for _, title in columns)]

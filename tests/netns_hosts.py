@@ -27,6 +27,19 @@ class NamespaceHosts:
     namespaces: list  # the network namespace of each host, in the same order
     hostfile: object  # pathlib.Path: the addresses, one per line
     ssh: object  # pathlib.Path: the ssh stand-in, for the MPI launcher's remote start
+    links: list  # each host's veth on the bridge's side, in the same order
+
+    def shape(self, rate_bit):
+        """Every host's link limited to `rate_bit` bit/s in each direction by `tc`'s token bucket
+        (the hosts' side and the bridge's); None removes the limit."""
+        for namespace, outer in zip(self.namespaces, self.links):
+            for device in (["ip", "netns", "exec", namespace, "tc"], ["tc"]):
+                name = "eth0" if len(device) > 1 else outer
+                subprocess.run(device + ["qdisc", "del", "dev", name, "root"], capture_output=True)
+                if rate_bit is not None:
+                    burst = max(3028, int(rate_bit / 8 * 200e-6))  # 200 us of traffic: the rate holds for 64 KiB
+                    subprocess.run(device + ["qdisc", "add", "dev", name, "root", "tbf", "rate", f"{int(rate_bit)}bit",
+                                             "burst", str(burst), "latency", "50ms"], check=True, capture_output=True)
 
 
 def _ip(*arguments):
@@ -72,7 +85,8 @@ def namespace_hosts(count, directory):
         ssh = directory / "ssh-into-namespace"
         ssh.write_text(_ssh_stand_in(dict(zip(addresses, namespaces))))
         ssh.chmod(0o755)
-        yield NamespaceHosts(addresses, namespaces, hostfile, ssh)
+        yield NamespaceHosts(addresses, namespaces, hostfile, ssh,
+                             [f"{prefix}v{index}" for index in range(1, count + 1)])
     finally:
         for namespace in namespaces:
             _kill_processes_in(namespace)

@@ -137,7 +137,7 @@ def run_tiny_profile(tmp_path, variants, *options):
 
 def test_a_two_host_emulated_run_measures_every_variant(tmp_path):
     skip_without_the_emulated_cluster()
-    _, result = run_tiny_profile(tmp_path, "tnt,one-bucket,compute")
+    _, result = run_tiny_profile(tmp_path, "tnt,one-bucket,compute", "--links", "ib,10gbe")
     assert result["measured"]["hosts"] == 2
     rows = result["analysis"]["10gbe"]
     compute = rows["compute"]["step"]["median"]
@@ -155,6 +155,18 @@ def test_a_two_host_emulated_run_measures_every_variant(tmp_path):
     assert rows["one-bucket"]["limit"]["median"] - compute > 0.0025
     probe = result["measured"]["probes"]["10gbe"]
     assert 0 < probe["sendrecv_s"] < 0.05 and probe["ring_s"] > 0
+    # On each link tarantella measured the rate as shaped (nominal: times the byte scale) and chose
+    # its threshold from it: larger on the faster link, whose transfers are shorter.
+    chosen = {}
+    for link, gbit in (("ib", 100), ("10gbe", 10)):
+        probe = result["measured"]["probes"][link]
+        measured = probe["tarantella_link"]
+        assert 0.5 * gbit < measured["gbit"] < 1.1 * gbit, (link, measured)
+        chosen[link] = probe["thresholds_kb"]["tnt"]
+        assert chosen[link] * 1024 == step_model.automatic_threshold_bytes(2, 2, measured["latency_us"] * 1e-6,
+                                                                           measured["gbit"] * 1e9 / 8)
+        assert probe["thresholds_kb"]["one-bucket"] > 1 << 20
+    assert chosen["ib"] > chosen["10gbe"]
 
 
 def test_a_two_host_emulated_run_times_horovod_beside_tarantella(tmp_path):

@@ -70,14 +70,22 @@ def test_the_layout_places_each_gradient_at_its_offset_in_backprop_order():
     assert round_description(fused.names(), "bfloat16") == "a gradient allreduce of buckets float32[9], sent as bfloat16"
 
 
-def test_the_automatic_threshold_stays_small_on_one_node_and_grows_with_the_ranks_across_nodes():
+def test_the_automatic_threshold_stays_small_on_one_node_and_grows_with_the_ranks_and_the_link_across_nodes():
     KIB, MIB = 1 << 10, 1 << 20
     # One node: messages cost microseconds, and small buckets start summing early.
     assert {automatic_threshold_bytes(ranks, 1) for ranks in (1, 2, 8, 64)} == {32 * KIB}
-    # Across nodes each bucket pays 2 (p - 1) latencies: the threshold grows with p, up to 16 MiB.
-    across = [automatic_threshold_bytes(ranks, nodes) for ranks, nodes in
+    # Across nodes each bucket's 2 (p - 1) latencies stay 1/16 of its transfer: 16 p alpha beta,
+    # rounded up to a power of two, between 32 KiB and 16 MiB. On 10 GbE (25 us, 1.25 GB/s) that
+    # is 512 KiB per rank.
+    ten_gbe = (25e-6, 1.25e9)
+    across = [automatic_threshold_bytes(ranks, nodes, *ten_gbe) for ranks, nodes in
               ((2, 2), (4, 2), (8, 8), (16, 4), (32, 32), (1024, 64))]
     assert across == [1 * MIB, 2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB, 16 * MIB]
+    # A link of twice the latency, or twice the rate, doubles it; a fast, short one keeps the floor.
+    assert automatic_threshold_bytes(4, 4, 50e-6, 1.25e9) == automatic_threshold_bytes(4, 4, 25e-6, 2.5e9) == 4 * MIB
+    assert automatic_threshold_bytes(2, 2, 1e-6, 1e8) == 32 * KIB
+    # Not exactly a power of two: rounded up (16 * 3 * 25 us * 1.25 GB/s = 1.5 MB).
+    assert automatic_threshold_bytes(3, 3, *ten_gbe) == 2 * MIB
 
 
 def test_a_threshold_the_user_sets_replaces_the_automatic_one(monkeypatch):

@@ -18,6 +18,7 @@ import pytest
 
 from conftest import WORKERS, assert_ok, launcher_command, quiet_env, run_python
 from netns_hosts import namespace_hosts, network_namespace_of
+from tarantella.backends.fusion import automatic_threshold_bytes
 
 HOSTS = 3
 CASES = "mlp-adam,wide-mlp-adam"  # the wide MLP's gradients, 1 MB in one bucket, are summed node by node
@@ -26,7 +27,7 @@ CASES = "mlp-adam,wide-mlp-adam"  # the wide MLP's gradients, 1 MB in one bucket
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
     with namespace_hosts(HOSTS, tmp_path_factory.mktemp("hosts")) as made:
-        yield {"hostfile": made.hostfile, "namespaces": made.namespaces,
+        yield {"hostfile": made.hostfile, "namespaces": made.namespaces, "made": made,
                "env": {"HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": str(made.ssh)}}
 
 
@@ -63,15 +64,19 @@ def test_two_ranks_on_each_of_two_namespace_hosts_train_like_serial_keras_summin
     elapsed = time.monotonic() - started
     assert_ok(process)
     assert elapsed < 120, f"the job took {elapsed:.0f} s"
-    namespaces = []
+    namespaces, links = [], set()
     for rank in range(4):
         line = next(l for l in process.stdout.splitlines() if l.startswith(f"rank {rank}: "))
-        # MPI sees two ranks per node, the -x variables arrived, the fusion threshold is the one for
-        # 4 ranks on 2 nodes (512 KiB per rank), not one node's 32 KiB, and large buckets go node by node
-        assert line.endswith(" GREETING=from the launcher node ranks 2 fusion threshold 2097152 reduction ByNode "
-                             f"on {backend}"), line
+        # MPI sees two ranks per node, the -x variables arrived, large buckets go node by node
+        assert " GREETING=from the launcher node ranks 2 " in line and line.endswith(f" reduction ByNode on {backend}")
         namespaces.append(line.split()[2])
+        links.add(_link_and_threshold(line))
     own = network_namespace_of()
+    # Every rank measured the same link and chose the same threshold, the one for 4 ranks on 2 nodes.
+    assert len(links) == 1, links
+    (latency_s, bytes_per_s, threshold, chosen), = links
+    assert threshold == automatic_threshold_bytes(4, 2, latency_s, bytes_per_s) >= 32 << 10
+    assert chosen.startswith("automatic, for 4 ranks on a link measured at ")
     assert len(set(namespaces)) == 2 and own not in namespaces, "the ranks run in the two hosts' namespaces"
     for case in CASES.split(","):
         expected = load(serial / f"{case}.rank0.npz")
@@ -84,6 +89,43 @@ def test_two_ranks_on_each_of_two_namespace_hosts_train_like_serial_keras_summin
                                            err_msg=f"{backend}, {case}, rank {rank}, {key}")
                 if key.startswith("weight_"):
                     np.testing.assert_array_equal(result[key], results[0][key], err_msg=f"{case}, rank {rank}, {key}")
+
+
+def _link_and_threshold(line):
+    """(latency s, rate B/s, fusion threshold, how it was chosen) from a line of workers/multihost.py."""
+    found = re.search(r" fusion threshold (\d+) link (\S+) (\S+) chosen '([^']*)' ", line)
+    return float(found[2]), float(found[3]), int(found[1]), found[4]
+
+
+def test_the_automatic_fusion_threshold_follows_the_link_the_job_measured(hosts, tmp_path):
+    """Two hosts, one rank each, first on their links as they are, then on links that `tc` limits to
+    200 Mb/s: the job measures the rate it gets and fuses its gradients into smaller buckets there,
+    where a bucket's latencies are a smaller share of its longer transfer."""
+    hostfile = tmp_path / "two-hosts"
+    hostfile.write_text("\n".join(hosts["hostfile"].read_text().split()[:2]) + "\n")
+
+    def measured():
+        # UCX_TLS=tcp: else UCX finds both ranks on one machine and takes shared memory past the links.
+        process = subprocess.run(launcher_command() + ["--hostfile", str(hostfile), "--no-gpu", "-x", "UCX_TLS=tcp", "--",
+                                                       str(WORKERS / "multihost.py"), str(tmp_path), "-"],
+                                 capture_output=True, text=True, timeout=120, env=quiet_env(**hosts["env"]))
+        assert_ok(process)
+        found = {_link_and_threshold(l) for l in process.stdout.splitlines() if l.startswith("rank ")}
+        assert len(found) == 1, found  # every rank the same
+        return found.pop()
+
+    unshaped = measured()
+    hosts["made"].shape(200e6)
+    try:
+        shaped = measured()
+    finally:
+        hosts["made"].shape(None)
+    for latency_s, bytes_per_s, threshold, _ in (unshaped, shaped):
+        assert 0 < latency_s < 0.05
+        assert threshold == automatic_threshold_bytes(2, 2, latency_s, bytes_per_s)
+    assert 0.5 * 25e6 < shaped[1] < 1.1 * 25e6, f"measured {shaped[1] / 1e6:.1f} MB/s on a 25 MB/s link"
+    assert unshaped[1] > 4 * shaped[1]
+    assert shaped[2] < unshaped[2], (shaped, unshaped)
 
 
 def test_cleanup_runs_on_every_host_of_the_hostfile(hosts):

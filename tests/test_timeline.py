@@ -89,7 +89,7 @@ def test_fit_prints_a_step_report_per_rank(steady_run):
     process, _, facts = steady_run
     report = process.stdout[process.stdout.index("tarantella timeline:"):]
     assert f"{facts['fit_steps'] - 1} training steps on {RANKS} rank(s)" in report
-    assert "; fusion threshold 32 KB;" in report.splitlines()[0]  # the ranks share one node
+    assert "; fusion threshold 32 KB (automatic, one node);" in report.splitlines()[0]  # the ranks share one node
     for column in ("compute", "input wait", "communication not hidden", "waiting for the slowest rank"):
         assert column in report
     rows = [line.split() for line in report.splitlines()[2:2 + RANKS]]

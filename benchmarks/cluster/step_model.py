@@ -28,9 +28,9 @@ finish_time, predicted_step, limit_step = _MODEL.finish_time, _MODEL.predicted_s
 projection = _MODEL  # the trace reading, the projection and its table
 
 
-def automatic_threshold_bytes(ranks, nodes):
-    """tarantella's fusion threshold where the user sets none."""
-    return FUSION.automatic_threshold_bytes(ranks, nodes)
+def automatic_threshold_bytes(ranks, nodes, latency_s, bytes_per_s):
+    """tarantella's fusion threshold where the user sets none, on a link of that latency and rate."""
+    return FUSION.automatic_threshold_bytes(ranks, nodes, latency_s, bytes_per_s)
 
 
 def plan_buckets(sizes_in_bytes, threshold_bytes):

@@ -1,7 +1,7 @@
 """The only place where the emulated cluster reaches past tarantella's public API.
 
 Everything else in benchmarks/cluster/ uses `tnt.Model`, the `tarantella` command and TNT_*
-settings. Three things have no public form, because they exist for this benchmark only:
+settings. These have no public form, because they exist for this benchmark only:
 
   scale_ring_cut_over(scale)   the ring's 1 MiB cut-over divided by the byte scale, so that each
                                scaled bucket takes the algorithm its nominal size would
@@ -10,8 +10,9 @@ settings. Three things have no public form, because they exist for this benchmar
   use_by_node(on)              TNT_HIERARCHICAL_ALLREDUCE switched between windows, so that `tnt`
                                (node by node where several ranks share a host) and `flat` share the rounds
   ring_allreduce(array)        one bucket through tarantella's own allreduce, for the link probe
-  automatic_threshold_kb()     the fusion threshold tarantella picks for this job where
-                               TNT_FUSION_THRESHOLD is unset (the worker sets it per variant)
+  automatic_threshold_kb(scale)  the fusion threshold tarantella picks for this job where
+                               TNT_FUSION_THRESHOLD is unset, on the link as shaped now (the worker
+                               sets it per variant and link)
 
 When tarantella's modules move, this file is the one to follow them. Each function says, by
 returning False or None, that the internal it needs is gone; the worker then reports the
@@ -90,14 +91,21 @@ def ring_allreduce(array):
     return True
 
 
-def automatic_threshold_kb():
-    """(KiB, nodes): tarantella's own fusion threshold for this job's ranks and nodes, or None."""
+def automatic_threshold_kb(scale):
+    """(KiB, nodes, {latency_us, gbit}): the fusion threshold tarantella picks for this job where
+    TNT_FUSION_THRESHOLD is unset, from its own measurement of the links as they are shaped now
+    (collective: every rank calls it at once), nominal: the measured rate times the byte scale.
+    None where tarantella has no such rule."""
     try:
         from tarantella.backends import fusion
-        from tarantella.runtime import world
+        from tarantella.runtime import link, world
     except ImportError:
         return None
-    if not hasattr(fusion, "automatic_threshold_bytes") or not hasattr(world.node_share(), "nodes"):
-        return None
+    from mpi4py import MPI
     nodes = world.node_share().nodes
-    return fusion.automatic_threshold_bytes(world.init().size, nodes) / 1024, nodes
+    if nodes <= 1:
+        return fusion.automatic_threshold_bytes(world.init().size, nodes) / 1024, nodes, None
+    measured = link.measure(MPI, MPI.COMM_WORLD)
+    nominal_rate = measured.bytes_per_s * scale
+    kb = fusion.automatic_threshold_bytes(world.init().size, nodes, measured.latency_s, nominal_rate) / 1024
+    return kb, nodes, {"latency_us": measured.latency_s * 1e6, "gbit": nominal_rate * 8 / 1e9}

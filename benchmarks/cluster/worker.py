@@ -3,8 +3,9 @@ backend KERAS_BACKEND names (TensorFlow by default; JAX and PyTorch too), traini
 model in several variants that live side by side in this one process, each its own model
 traced once:
 
-  tnt          tarantella as it is: its automatic fusion threshold for this job's ranks and
-               nodes (or TNT_FUSION_THRESHOLD where the job sets it), scaled by the byte scale
+  tnt          tarantella as it is: its automatic fusion threshold for this job's ranks, nodes
+               and link, which it measures on each link profile as shaped (or TNT_FUSION_THRESHOLD
+               where the job sets it), nominal: scaled by the byte scale
   tnt-mpi      the same model with TNT_ALLREDUCE=mpi (switched between windows)
   one-bucket   a fusion threshold larger than the model: one bucket, handed over after backprop
   fusion-KB    another fusion threshold (nominal KiB, scaled like the default)
@@ -31,8 +32,11 @@ Commands arrive one line at a time on the FIFO <control>/go-<rank>; the master a
 with one JSON line on <control>/results (protocol.py, which horovod_worker.py shares):
 
   window LABEL   one untimed step (the ranks fall in step), then --steps timed steps of LABEL
-  probe          the link as MPI sees it: an 8-byte Sendrecv round with both ring neighbours,
-                 an 8-byte Allreduce, and a ring allreduce of --probe-bytes, medians in seconds
+  probe LINK     the link as MPI sees it: an 8-byte Sendrecv round with both ring neighbours,
+                 an 8-byte Allreduce, and a ring allreduce of --probe-bytes, medians in seconds;
+                 tarantella's own measurement of it and the threshold it picks there, with which
+                 the variants that take tnt's threshold are built (once per threshold)
+  link LINK      the following windows run on LINK (probed before)
   end            leave
 """
 
@@ -70,69 +74,88 @@ def main():
     data_parallel = start_keras_data_parallel(world) if "keras-dp" in args.variants.split(",") else None
     profile = profile_model.load(args.profile)
     features, labels = profile_model.data(MICRO_BATCH * size)
-    automatic = tnt_internals.automatic_threshold_kb()
-    nodes = None if automatic is None else automatic[1]
-    if os.environ.get("TNT_FUSION_THRESHOLD"):
-        default_kb = float(os.environ["TNT_FUSION_THRESHOLD"])
-    elif automatic is not None:
-        default_kb = automatic[0]
-    else:
-        raise SystemExit("cluster worker: this tarantella has no automatic fusion threshold; "
-                         "set TNT_FUSION_THRESHOLD for the tnt variant")
+    fixed_kb = float(os.environ["TNT_FUSION_THRESHOLD"]) if os.environ.get("TNT_FUSION_THRESHOLD") else None
+    models = {}  # (variant, nominal threshold KiB) -> (model, batch size)
 
-    models, plans, batches = {}, {}, {}
-    for label in args.variants.split(","):
+    def build(label, kb):
+        """(model, nominal KiB, batch size) of variant `label` with fusion threshold `kb`, built and
+        traced once; variants that differ only in a switch share one. Peers and `compute` have no
+        threshold (None)."""
         base = "tnt" if label in ("tnt-mpi", "flat") else label
-        if base in models:
-            models[label], batches[label] = models[base], batches[base]
-            continue
-        if base == "ddp":
-            models[label] = models[base] = DdpTrainer(profile, args, world)
-            batches[label] = batches[base] = MICRO_BATCH
-            models[label].fit(features, labels, MICRO_BATCH, 1, 2, False, 0)
-            continue
-        if base == "keras-dp":
-            models[label] = models[base] = KerasDataParallelTrainer(profile, args, data_parallel, rank, size)
-            batches[label] = batches[base] = MICRO_BATCH
-            models[label].fit(features, labels, MICRO_BATCH, 1, 2, False, 0)
-            continue
-        accumulation = int(base.split("-", 1)[1]) if base.startswith("accumulate-") else None
-        wire = base.split("-", 1)[1] if base.startswith("wire-") else None
-        kb = {"one-bucket": ONE_BUCKET_KB}.get(base, default_kb)
         if base.startswith("fusion-"):
             kb = float(base.split("-", 1)[1])
-        os.environ["TNT_FUSION_THRESHOLD"] = repr(kb / args.scale)
+        elif base == "one-bucket":
+            kb = ONE_BUCKET_KB
+        elif base in ("compute", "ddp", "keras-dp"):
+            kb = None
+        if (base, kb) not in models:
+            models[base, kb] = new_model(base, kb)
+        return (models[base, kb][0], kb, models[base, kb][1])
+
+    def new_model(base, kb):
+        if base == "ddp":
+            model = DdpTrainer(profile, args, world)
+            model.fit(features, labels, MICRO_BATCH, 1, 2, False, 0)
+            return model, MICRO_BATCH
+        if base == "keras-dp":
+            model = KerasDataParallelTrainer(profile, args, data_parallel, rank, size)
+            model.fit(features, labels, MICRO_BATCH, 1, 2, False, 0)
+            return model, MICRO_BATCH
+        accumulation = int(base.split("-", 1)[1]) if base.startswith("accumulate-") else None
+        wire = base.split("-", 1)[1] if base.startswith("wire-") else None
         os.environ["TNT_JAX_GRADIENT_HANDOVER"] = "after-backprop" if base == "after-backprop" else "auto"
         keras.utils.set_random_seed(0)
         model = profile_model.build(profile, args.scale, args.time_factor)
         batch = MICRO_BATCH
         if base != "compute":
+            os.environ["TNT_FUSION_THRESHOLD"] = repr(kb / args.scale)
             model, batch = tnt.Model(model, gradient_wire=wire), MICRO_BATCH * size
-            plans[label] = kb
         # TensorFlow: a tf.function without XLA (the waits are host calls); JAX: Keras' jitted step
         # (un-jitted, JAX would trace every stage's custom_vjp anew at each step); torch: eager.
         model.compile(keras.optimizers.SGD(0.01, gradient_accumulation_steps=accumulation), "mse",
                       jit_compile=False if keras.backend.backend() == "tensorflow" else "auto")
         # Traces the step (both kinds of micro-step where it accumulates).
-        model.fit(features, labels, batch_size=batch, epochs=1, steps_per_epoch=accumulation or 2, shuffle=False,
-                  verbose=0)
-        models[label] = models[base] = model
-        batches[label] = batches[base] = batch
-    os.environ["TNT_FUSION_THRESHOLD"] = repr(default_kb / args.scale)
+        model.fit(features, labels, batch_size=batch, epochs=1, steps_per_epoch=accumulation or 2,
+                  shuffle=False, verbose=0)
+        return model, batch
+
+    variants = args.variants.split(",")
+    # Those whose threshold is their own, built before the links are shaped; the others (tnt's
+    # threshold) at each link's probe, where tarantella measures the link it then has.
+    for label in variants:
+        if label in ("compute", "one-bucket", "ddp", "keras-dp") or label.startswith("fusion-"):
+            build(label, None)
+    current = {}  # variant -> (model, nominal KiB) on the link of the last `probe` or `link` command
+    by_link = {}
 
     control = protocol.Control(args.control, rank)
     reply = control.reply
     switchable = tnt_internals.use_ring(True)
     by_node = tnt_internals.use_by_node(True)
-    reply({"ready": True, "ranks": size, "thresholds_kb": plans, "backend": keras.backend.backend(),
-           "hosts": sorted(set(world.allgather(socket.gethostname()))), "nodes": nodes, "ring_cut_over_scaled": scaled_ring,
+    reply({"ready": True, "ranks": size, "backend": keras.backend.backend(),
+           "hosts": sorted(set(world.allgather(socket.gethostname()))), "ring_cut_over_scaled": scaled_ring,
            "allreduce_switchable": switchable, "by_node": by_node})
     while True:
         command = control.command()
         if command[0] == "end":
             break
-        if command[0] == "probe":
-            reply(probe(world, args.probe_bytes))
+        if command[0] == "probe":  # probe LINK: the link as shaped now; its models
+            automatic = None if fixed_kb is not None else tnt_internals.automatic_threshold_kb(args.scale)
+            if fixed_kb is None and automatic is None:
+                raise SystemExit("cluster worker: this tarantella has no automatic fusion threshold; "
+                                 "set TNT_FUSION_THRESHOLD for the tnt variant")
+            default_kb = fixed_kb if fixed_kb is not None else automatic[0]
+            by_link[command[1]] = {label: build(label, default_kb) for label in variants}
+            current = by_link[command[1]]
+            result = probe(world, args.probe_bytes)
+            result.update(thresholds_kb={label: kb for label, (_, kb, _) in current.items() if kb is not None},
+                          nodes=None if automatic is None else automatic[1],
+                          tarantella_link=None if automatic is None else automatic[2])
+            reply(result)
+            continue
+        if command[0] == "link":  # link LINK: the following windows run on it
+            current = by_link[command[1]]
+            reply({"link": command[1]})
             continue
         label = command[1]
         if label == "tnt-mpi" and not switchable:
@@ -146,8 +169,9 @@ def main():
         if by_node:
             tnt_internals.use_by_node(label != "flat")
         world.Barrier()
-        window = protocol.timed_window(label, lambda steps, callbacks: models[label].fit(
-            features, labels, batch_size=batches[label], epochs=1, steps_per_epoch=steps, shuffle=False, verbose=0,
+        model, _, batch = current[label]
+        window = protocol.timed_window(label, lambda steps, callbacks: model.fit(
+            features, labels, batch_size=batch, epochs=1, steps_per_epoch=steps, shuffle=False, verbose=0,
             callbacks=callbacks), args.steps, keras)
         if label.startswith("accumulate-"):  # whole cycles: one update step in K, so the mean, not the median
             window["median_step_seconds"] = statistics.fmean(window["steps"])

@@ -61,10 +61,20 @@ def for_model(communicator, reducer, model):
 
 def fusion_threshold_bytes():
     """The smallest gradient bucket: TNT_FUSION_THRESHOLD where the user set it, else the automatic
-    one for this job's ranks and nodes (`fusion.automatic_threshold_bytes`), the same on every rank."""
+    one for this job's ranks, nodes and slowest link (`fusion.automatic_threshold_bytes`), the same
+    on every rank."""
+    return fusion_threshold()[0]
+
+
+def fusion_threshold():
+    """(the fusion threshold in bytes, how it was chosen, in words for the timeline's report)."""
     chosen = config.fusion_threshold_bytes()
     if chosen is not None:
-        return chosen
+        return chosen, "set by TNT_FUSION_THRESHOLD"
     from tarantella.backends import fusion
     from tarantella.runtime import world
-    return fusion.automatic_threshold_bytes(world.init().size, world.node_share().nodes)
+    ranks, link = world.init().size, world.slowest_link()
+    if link is None:
+        return fusion.automatic_threshold_bytes(ranks, 1), "automatic, one node"
+    return (fusion.automatic_threshold_bytes(ranks, world.node_share().nodes, link.latency_s, link.bytes_per_s),
+            f"automatic, for {ranks} ranks on a link measured at {link.describe()}")

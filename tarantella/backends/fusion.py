@@ -5,6 +5,8 @@ first), into buckets of at least the fusion threshold, each handed to the reduce
 gradients exist, so that its sum overlaps with the rest of backprop.
 """
 
+import math
+
 import numpy as np
 
 from tarantella.runtime import reducer
@@ -15,22 +17,28 @@ SIXTEEN_BIT_FLOATS = ("float16", "bfloat16")
 
 # The automatic fusion threshold (TNT_FUSION_THRESHOLD unset). On one node a message costs a few
 # microseconds and small buckets start summing early: 32 KiB was the fastest on the 2-rank benchmark.
-# Across nodes every bucket pays 2 (p - 1) network latencies in the ring (about 2 log2 p in
-# MPI_Allreduce) and a hand-over to the worker thread, while its transfer time does not grow with p:
-# a threshold proportional to p keeps that fixed cost the same share of each bucket. 512 KiB per rank
-# puts the emulated cluster's best threshold (8 MiB) at 16 ranks. The cap (16 MiB, from 32 ranks on)
-# keeps the last bucket, whose sum no backprop hides, short: with 64 MiB the step model projects
-# ResNet-50 at 96-1024 ranks on 10 GbE to 0.86-0.90 of its compute, with 16 MiB to 0.90-0.96.
+# Across nodes the ring sums a bucket of s bytes in 2 (p - 1) steps, each costing a message's latency
+# alpha plus s / (p beta) of transfer at the link's rate beta: the latencies stay at most 1/16 of the
+# transfer where s >= 16 p alpha beta. So the threshold grows with the ranks and with the link's
+# latency-bandwidth product, measured at start-up (runtime.link): on 10 GbE (25 us, 1.25 GB/s) that
+# is 512 KiB per rank, the emulated cluster's best (8 MiB at 16 ranks). It is rounded up to a power
+# of two, so that the small differences between two measurements of one network rarely change it.
+# The cap (16 MiB) keeps the last bucket, whose sum no backprop hides, short: with 64 MiB the step
+# model projects ResNet-50 at 96-1024 ranks on 10 GbE to 0.86-0.90 of its compute, with 16 MiB to
+# 0.90-0.96.
 ONE_NODE_THRESHOLD_BYTES = 32 << 10
-ACROSS_NODES_THRESHOLD_BYTES_PER_RANK = 512 << 10
+LATENCY_SHARE = 1 / 16
 LARGEST_AUTOMATIC_THRESHOLD_BYTES = 16 << 20
 
 
-def automatic_threshold_bytes(ranks, nodes):
-    """The fusion threshold a job of `ranks` ranks on `nodes` nodes gets where the user set none."""
+def automatic_threshold_bytes(ranks, nodes, latency_s=None, bytes_per_s=None):
+    """The fusion threshold a job of `ranks` ranks on `nodes` nodes gets where the user set none;
+    across nodes, from its slowest link's latency (seconds per message) and rate (bytes per second)."""
     if nodes <= 1:
         return ONE_NODE_THRESHOLD_BYTES
-    return min(LARGEST_AUTOMATIC_THRESHOLD_BYTES, ACROSS_NODES_THRESHOLD_BYTES_PER_RANK * ranks)
+    wanted = ranks * latency_s * bytes_per_s / LATENCY_SHARE
+    power_of_two = 1 << max(0, math.ceil(math.log2(max(wanted, 1))))
+    return min(LARGEST_AUTOMATIC_THRESHOLD_BYTES, max(ONE_NODE_THRESHOLD_BYTES, power_of_two))
 
 
 def wire_dtype(dtype_name):

@@ -9,7 +9,7 @@ import os
 import sys
 
 from tarantella.common import config, rank_entry
-from tarantella.runtime import failure
+from tarantella.runtime import failure, link
 from tarantella.runtime.communicator import MASTER_RANK, Communicator
 from tarantella.runtime.errors import collective_failure_behind
 from tarantella.runtime.node import NodeShare, bind_to_own_cores
@@ -25,6 +25,7 @@ _world = None
 _MPI = None  # mpi4py's MPI module, or SerialMPI
 _reducers = {}  # wire -> its Reducer
 _node_share = None
+_link = None  # the slowest link between ring neighbours, where the job spans several nodes
 # Set in every rank by the MPI launchers (Hydra, Open MPI, PMIx) and by the `tarantella` command.
 _LAUNCHER_VARIABLES = ("TNT_ANNOUNCE_RANKS", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
 
@@ -50,6 +51,13 @@ def node_share():
     return _node_share
 
 
+def slowest_link():
+    """The link.Link measured at start-up between ring neighbours, the same on every rank, where
+    the job spans several nodes; None on one node, where no network lies between the ranks."""
+    init()
+    return _link
+
+
 def init() -> Communicator:
     """Starts MPI, configures this process as one rank and returns its communicator.
 
@@ -63,7 +71,7 @@ def init() -> Communicator:
         RuntimeError: the MPI launcher and the MPI library do not fit (every rank a job of its own).
         ValueError: a `TNT_*` setting of the environment is invalid.
     """
-    global _world, _MPI, _node_share
+    global _world, _MPI, _node_share, _link
     if _world is not None:
         return _world
     setting_warnings = config.check_environment()  # bad settings fail here, on every rank, before any collective
@@ -99,6 +107,8 @@ def init() -> Communicator:
             f"rank {rank}: {setting}" for rank, (_, setting) in enumerate(by_node_settings)) + "); give every rank "
             "the same (the `tarantella` command's -x passes it to all).")
     _node_share = NodeShare(local_rank, local_size, bound_to_own_cores, nodes)
+    if nodes > 1:  # a few milliseconds; every rank takes part whatever its TNT_FUSION_THRESHOLD
+        _link = link.measure(MPI, world)
     side = world.Dup() if world.Get_size() > 1 else None
     _world = Communicator(MPI, world.Dup(), config.collective_timeout_s(), side_comm=side,
                           stall_warning_s=config.stall_warning_s())
