@@ -106,8 +106,8 @@ def test_the_automatic_fusion_threshold_follows_the_link_the_job_measured(hosts,
 
     def measured():
         # UCX_TLS=tcp: else UCX finds both ranks on one machine and takes shared memory past the links.
-        process = subprocess.run(launcher_command() + ["--hostfile", str(hostfile), "--no-gpu", "-x", "UCX_TLS=tcp", "--",
-                                                       str(WORKERS / "multihost.py"), str(tmp_path), "-"],
+        process = subprocess.run(launcher_command() + ["--hostfile", str(hostfile), "--no-gpu", "-x", "UCX_TLS=tcp",
+                                                       "--", str(WORKERS / "multihost.py"), str(tmp_path), "-"],
                                  capture_output=True, text=True, timeout=120, env=quiet_env(**hosts["env"]))
         assert_ok(process)
         found = {_link_and_threshold(l) for l in process.stdout.splitlines() if l.startswith("rank ")}

@@ -29,10 +29,10 @@ class Link:
 
 
 def measure(MPI, comm):
-    """Collective over `comm` (of mpi4py's module `MPI`), on every rank at once: each rank sends to the next and
-    receives from the one before, first small messages, then larger ones until a message takes
-    long enough to show the rate. The slowest rank's times count (the ring waits for it), so
-    every rank returns the same Link."""
+    """Collective over `comm` (of mpi4py's module `MPI`), on every rank at once: each rank sends
+    to the next and receives from the one before, first small messages, then larger ones until a
+    message takes long enough to show the rate. The slowest rank's times count (the ring waits
+    for it), so every rank returns the same Link."""
     rank, size = comm.Get_rank(), comm.Get_size()
     right, left = (rank + 1) % size, (rank - 1) % size
 
