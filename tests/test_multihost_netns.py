@@ -21,7 +21,8 @@ from netns_hosts import namespace_hosts, network_namespace_of
 from tarantella.backends.fusion import automatic_threshold_bytes
 
 HOSTS = 3
-CASES = "mlp-adam,wide-mlp-adam"  # the wide MLP's gradients, 1 MB in one bucket, are summed node by node
+CASES = "mlp-adam,wide-mlp-adam,lenet5-momentum"  # the wide MLP's gradients, 1 MB in one bucket, go node by node
+LONE_RANK_CASE = "lenet5-momentum"
 
 
 @pytest.fixture(scope="module")
@@ -79,16 +80,20 @@ def test_two_ranks_on_each_of_two_namespace_hosts_train_like_serial_keras_summin
     assert chosen.startswith("automatic, for 4 ranks on a link measured at ")
     assert len(set(namespaces)) == 2 and own not in namespaces, "the ranks run in the two hosts' namespaces"
     for case in CASES.split(","):
-        expected = load(serial / f"{case}.rank0.npz")
-        results = [load(distributed / f"{case}.rank{rank}.npz") for rank in range(4)]
-        for rank, result in enumerate(results):
-            assert sorted(result) == sorted(expected)
-            for key in expected:
-                tolerance = {"atol": 1e-5} if key.startswith("weight_") else {"rtol": 1e-5, "atol": 1e-6}
-                np.testing.assert_allclose(result[key], expected[key], **tolerance,
-                                           err_msg=f"{backend}, {case}, rank {rank}, {key}")
-                if key.startswith("weight_"):
-                    np.testing.assert_array_equal(result[key], results[0][key], err_msg=f"{case}, rank {rank}, {key}")
+        _assert_like_serial(serial, distributed, case, 4, backend)
+
+
+def _assert_like_serial(serial, distributed, case, ranks, backend):
+    expected = load(serial / f"{case}.rank0.npz")
+    results = [load(distributed / f"{case}.rank{rank}.npz") for rank in range(ranks)]
+    for rank, result in enumerate(results):
+        assert sorted(result) == sorted(expected)
+        for key in expected:
+            tolerance = {"atol": 1e-5} if key.startswith("weight_") else {"rtol": 1e-5, "atol": 1e-6}
+            np.testing.assert_allclose(result[key], expected[key], **tolerance,
+                                       err_msg=f"{backend}, {case}, rank {rank}, {key}")
+            if key.startswith("weight_"):
+                np.testing.assert_array_equal(result[key], results[0][key], err_msg=f"{case}, rank {rank}, {key}")
 
 
 def _link_and_threshold(line):
@@ -104,17 +109,23 @@ def test_the_automatic_fusion_threshold_follows_the_link_the_job_measured(hosts,
     hostfile = tmp_path / "two-hosts"
     hostfile.write_text("\n".join(hosts["hostfile"].read_text().split()[:2]) + "\n")
 
-    def measured():
+    def measured(cases="-"):
         # UCX_TLS=tcp: else UCX finds both ranks on one machine and takes shared memory past the links.
         process = subprocess.run(launcher_command() + ["--hostfile", str(hostfile), "--no-gpu", "-x", "UCX_TLS=tcp",
-                                                       "--", str(WORKERS / "multihost.py"), str(tmp_path), "-"],
+                                                       "--", str(WORKERS / "multihost.py"), str(distributed), cases],
                                  capture_output=True, text=True, timeout=120, env=quiet_env(**hosts["env"]))
         assert_ok(process)
         found = {_link_and_threshold(l) for l in process.stdout.splitlines() if l.startswith("rank ")}
         assert len(found) == 1, found  # every rank the same
         return found.pop()
 
-    unshaped = measured()
+    # A rank alone on its host computes with all the host's threads: LeNet-5 still trains like serial Keras.
+    serial, distributed = tmp_path / "serial", tmp_path / "tnt"
+    serial.mkdir()
+    distributed.mkdir()
+    assert_ok(run_python(WORKERS / "train_cases.py", "--mode", "serial", "--out", serial, "--cases", LONE_RANK_CASE))
+    unshaped = measured(LONE_RANK_CASE)
+    _assert_like_serial(serial, distributed, LONE_RANK_CASE, 2, "tensorflow")
     hosts["made"].shape(200e6)
     try:
         shaped = measured()

@@ -30,8 +30,8 @@ class Link:
 
 def measure(MPI, comm):
     """Collective over `comm` (of mpi4py's module `MPI`), on every rank at once: each rank sends
-    to the next and receives from the one before, first small messages, then larger ones until a
-    message takes long enough to show the rate. The slowest rank's times count (the ring waits
+    to the next and receives from the one before, all starting together, first small messages,
+    then larger ones until a message takes long enough to show the rate. The slowest rank's times count (the ring waits
     for it), so every rank returns the same Link."""
     rank, size = comm.Get_rank(), comm.Get_size()
     right, left = (rank + 1) % size, (rank - 1) % size
@@ -40,6 +40,9 @@ def measure(MPI, comm):
         incoming = np.empty_like(outgoing)
         times = []
         for _ in range(rounds + 1):  # the first round also sets up the connection
+            # Rounds back to back fall into step with each other, and then hide the wait for a
+            # busy peer that a bucket's first ring step pays: each round starts from a barrier.
+            comm.Barrier()
             started = time.perf_counter()
             comm.Sendrecv(outgoing, dest=right, recvbuf=incoming, source=left)
             times.append(time.perf_counter() - started)
