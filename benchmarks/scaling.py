@@ -18,8 +18,10 @@ master rank's training-step time and samples/s of:
   (horovod) LeNet-5 and the MLP only: Horovod 0.28.1 at 2 ranks, on TensorFlow 2.15 and
       Keras 2, from the environment that benchmarks/make_horovod_venv.sh builds (--horovod-venv;
       skipped, with a line saying so, where there is none), under the same launcher and mpiexec;
-  (c+NAME=VALUE), (d+NAME=VALUE) named in --variants only: (c) or (d) with one environment
-      setting, e.g. c+TNT_FUSION_THRESHOLD=1024, reported against (c) or (d), and (c+S)/(d+S);
+  (a+NAME=VALUE), (c+NAME=VALUE), (d+NAME=VALUE) named in --variants only: (a), (c) or (d)
+      with one environment setting, e.g. c+TNT_FUSION_THRESHOLD=1024, or a+BENCHMARK_JIT_COMPILE=1
+      and c+BENCHMARK_JIT_COMPILE=1 for XLA (compile(jit_compile=True)), reported against (a),
+      (c) or (d), and (c+S)/(d+S);
   (split), (keras2), (keras2-split) named in --variants only, to find where a gap to Horovod
       comes from: Keras 3 at 2 processes each training its half of every global batch with no
       communication at all; Keras 2 in one process, and Keras 2 split as (split), both from
@@ -200,11 +202,12 @@ def horovod_skipped(models, named, horovod_python, venv):
 
 
 def setting_variant(label):
-    """The variant `c+NAME=VALUE` or `d+NAME=VALUE`: (c) or (d) with the environment setting
-    NAME=VALUE (e.g. c+TNT_FUSION_THRESHOLD=1024), or None where `label` is no such name."""
+    """The variant `a+NAME=VALUE`, `c+NAME=VALUE` or `d+NAME=VALUE`: (a), (c) or (d) with the
+    environment setting NAME=VALUE (e.g. c+TNT_FUSION_THRESHOLD=1024), or None where `label` is no
+    such name."""
     base, plus, setting = label.partition("+")
     name, equals, value = setting.partition("=")
-    if base not in ("c", "d") or not plus or not equals or not name.isidentifier():
+    if base not in ("a", "c", "d") or not plus or not equals or not name.isidentifier():
         return None
     return VARIANTS[base]._replace(description=f"{VARIANTS[base].description}, {name}={value}",
                                    environment=((name, value),))
@@ -257,7 +260,7 @@ def select_other_backend_variants(model, named, revisions, backend):
                    or label in revisions else setting_variant(label))
         if variant is None:
             raise ValueError(f"variant {label} is TensorFlow-only or unknown; on {backend} choose from "
-                             f"{', '.join(OTHER_BACKEND_VARIANTS)}, timeline, @REV or c+NAME=VALUE")
+                             f"{', '.join(OTHER_BACKEND_VARIANTS)}, timeline, @REV or a+, c+ or d+NAME=VALUE")
         variants[label] = variant._replace(environment=variant.environment + (("KERAS_BACKEND", backend),))
     return variants
 

@@ -386,9 +386,11 @@ def main():
         # Only where asked: older revisions (--against) have no such argument.
         model = tnt.Model(model, **({"synchronized_batch_normalization": True} if args.variant == "sync-bn" else {}))
     dataset = tf.data.Dataset.from_tensor_slices((samples, labels)).batch(batch_size).repeat()
-    # Multi-rank tarantella steps on TensorFlow never use XLA; keep every variant on the same kind
-    # of step. On JAX every variant's step is jitted (its collectives are callbacks inside it).
-    jit_compile = False if keras.backend.backend() == "tensorflow" else "auto"
+    # Every variant on the same kind of step: on TensorFlow without XLA unless the benchmark's
+    # environment has BENCHMARK_JIT_COMPILE=1 (jit_compile=True); on JAX every variant's step is
+    # jitted (its collectives are callbacks inside it).
+    jit_compile = os.environ.get("BENCHMARK_JIT_COMPILE") == "1" or (
+        False if keras.backend.backend() == "tensorflow" else "auto")
     model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"], jit_compile=jit_compile)
     if tarantella_folder is not None:  # every module of tarantella from one checkout (--against)
         ready["foreign_modules"] = sorted(

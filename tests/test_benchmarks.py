@@ -188,14 +188,16 @@ def test_the_worker_times_a_bare_ring_allreduce_of_the_gradient_bytes():
     assert worker.measure_bare_ring(Model(), 2) > 0
 
 
-def test_a_setting_variant_runs_c_or_d_with_one_environment_setting_and_is_reported_against_it():
-    selected = scaling.select_variants("mlp", ["c", "c+TNT_FUSION_THRESHOLD=1024", "d+TNT_BIND_CORES=false"],
-                                       {}, None, "")
+def test_a_setting_variant_runs_a_c_or_d_with_one_environment_setting_and_is_reported_against_it():
+    selected = scaling.select_variants("mlp", ["c", "c+TNT_FUSION_THRESHOLD=1024", "d+TNT_BIND_CORES=false",
+                                               "a+BENCHMARK_JIT_COMPILE=1"], {}, None, "")
     setting = selected["c+TNT_FUSION_THRESHOLD=1024"]
     assert setting.environment == (("TNT_FUSION_THRESHOLD", "1024"),) and setting.ranks == 2
     assert setting.worker_variant == "tarantella" and selected["c"].environment == ()
     assert selected["d+TNT_BIND_CORES=false"].worker_variant == "no-allreduce"
-    for malformed in ["c+TNT_FUSION_THRESHOLD", "a+TNT_FUSION_THRESHOLD=1", "c+=1", "c+1X=2"]:
+    serial_xla = selected["a+BENCHMARK_JIT_COMPILE=1"]
+    assert serial_xla.worker_variant == "keras" and serial_xla.ranks == 1
+    for malformed in ["c+TNT_FUSION_THRESHOLD", "b+TNT_FUSION_THRESHOLD=1", "c+=1", "c+1X=2"]:
         with pytest.raises(ValueError, match="unknown variant"):
             scaling.select_variants("mlp", ["c", malformed], {}, None, "")
     step_ms = {"c": [100] * 5, "d": [80] * 5, "c+TNT_BIND_CORES=false": [110] * 5, "d+TNT_BIND_CORES=false": [88] * 5,

@@ -1,4 +1,4 @@
-"""N ranks train to the weights, logs, evaluation and predictions of serial Keras.
+"""N ranks train to the weights, logs, evaluation and predictions of serial Keras, with and without XLA.
 
 Tolerances: weights atol 1e-5 (a thread-count change alone moves them by ~1e-7);
 History and evaluate values rtol 1e-5. Every rank must end with bitwise-identical weights.
@@ -8,6 +8,7 @@ LeNet-5 trains with momentum SGD: with Adam, serial Keras itself moves by 3e-4 b
 
 import importlib.util
 import os
+import re
 
 import numpy as np
 import pytest
@@ -44,6 +45,63 @@ def test_ranks_train_like_serial_keras(ranks, serial_dir, scratch):
     assert_ranks_like_serial(serial_dir, out, cases, ranks)
     if "mlp-accumulation" in cases:
         assert_accumulation_sums_once_per_cycle(serial_dir, out, ranks)
+
+
+# XLA (compile(jit_compile=True), serially too). The default run: a convnet and gradient
+# accumulation on 2 ranks, and where TensorFlow put XLA's clusters. TNT_XLA_TESTS=1: every case
+# on 1 and 2 ranks and the uneven splits on 3.
+XLA_TESTS = os.environ.get("TNT_XLA_TESTS") == "1"
+XLA_SLICE = ["lenet5-momentum", "mlp-accumulation"]
+
+
+def xla_cases(ranks):
+    return (CASES_BY_RANKS.get(ranks, list(CASES)) if XLA_TESTS else XLA_SLICE)
+
+
+@pytest.fixture(scope="module")
+def serial_xla_dir(scratch):
+    out = scratch / "serial-xla"
+    out.mkdir()
+    cases = list(CASES) if XLA_TESTS else XLA_SLICE
+    assert_ok(run_python(WORKER, "--mode", "serial", "--out", out, "--cases", ",".join(cases), "--jit-compile"))
+    return out
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_ranks_train_like_serial_keras_with_xla(ranks, serial_xla_dir, scratch):
+    """On several ranks XLA compiles what lies between the step's collectives: the gradients, the
+    update. TensorFlow's clustering dump shows which ops it compiled on each rank: the model's
+    matrix products and convolutions, forward and backward, but none of the host calls."""
+    if ranks != 2 and not XLA_TESTS:
+        pytest.skip("runs with TNT_XLA_TESTS=1")
+    out, dumps = scratch / f"xla-ranks{ranks}", scratch / f"xla-graphs{ranks}"
+    out.mkdir()
+    cases = xla_cases(ranks)
+    arguments = ("--mode", "tnt", "--out", out, "--cases", ",".join(cases), "--jit-compile")
+    env = {"TF_XLA_FLAGS": "--tf_xla_clustering_debug", "TF_DUMP_GRAPH_PREFIX": str(dumps)}
+    assert_ok(launch(ranks, WORKER, *arguments, env=env) if ranks > 1 else run_python(WORKER, *arguments))
+    assert_ranks_like_serial(serial_xla_dir, out, cases, ranks)
+    if "mlp-accumulation" in cases:
+        assert_accumulation_sums_once_per_cycle(serial_xla_dir, out, ranks)
+    compiled = {"MatMul", *(["Conv2D", "Conv2DBackpropFilter"] if "lenet5-momentum" in cases else [])}
+    for rank in range(ranks if ranks > 1 else 0):
+        clustered, host_calls = xla_clustering(dumps / f"rank{rank}")
+        assert compiled <= clustered, (rank, sorted(clustered))
+        assert host_calls and not host_calls & clustered, (rank, host_calls)
+
+
+def xla_clustering(folder):
+    """(op types that XLA clusters took, op types of host calls) in a rank's dumps of TensorFlow's
+    mark_for_compilation pass."""
+    clustered, host_calls = set(), set()
+    for dump in folder.glob("mark_for_compilation_*.pbtxt"):
+        for node in dump.read_text().split("\nnode {")[1:]:
+            op = re.search(r'\n  op: "([^"]+)"', node)[1]
+            if '"_XlaCluster"' in node:
+                clustered.add(op)
+            if "PyFunc" in op:
+                host_calls.add(op)
+    return clustered, host_calls
 
 
 BACKEND_TESTS = pytest.mark.skipif(os.environ.get("TNT_BACKEND_TESTS") != "1",

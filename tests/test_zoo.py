@@ -13,7 +13,8 @@ and docs/guide.md ("Models") quotes it.
 The zoo runs on each Keras backend, the serial reference on the same one (KERAS_BACKEND in the
 worker's environment). TNT_ZOO_BACKEND=jax (or torch, tensorflow, a list such as jax,torch, or all) picks the backends;
 TNT_ZOO_CASES=all runs every case there, TNT_ZOO_CASES=a,b the ones named, and unset each
-backend's quick slice (DEFAULT_CASES). The whole zoo on one backend:
+backend's quick slice (DEFAULT_CASES). TNT_XLA_TESTS=1 runs every case with XLA, serially too
+(`model.jit_compile = True` after compile). The whole zoo on one backend:
     TNT_ZOO_CASES=all TNT_ZOO_BACKEND=jax python -m pytest -q tests/test_zoo.py
 and the whole zoo and every first-contact script on every backend, in one command (docs/testing.md):
     TNT_ZOO_CASES=all TNT_ZOO_BACKEND=all TNT_FIRST_CONTACT=all python -m pytest -q tests/test_zoo.py tests/test_first_contact.py
@@ -37,6 +38,7 @@ from workers.zoo import CASES
 WORKER = WORKERS / "zoo.py"
 RUN_TIMEOUT_S = 3600  # a last resort: the worker's watchdog ends a hung case after 600 s
 BACKENDS = ("tensorflow", "jax", "torch")
+XLA = os.environ.get("TNT_XLA_TESTS") == "1"
 BACKEND_NAMES = {"tensorflow": "TensorFlow", "jax": "JAX", "torch": "PyTorch"}  # as tarantella's messages say
 
 # backend -> {(case, ranks): the failure measured on the current code}. strict: a fix flips them,
@@ -69,7 +71,8 @@ def run_zoo(backend, ranks, out, cases):
     runs = []
     env = {"KERAS_BACKEND": backend}
     while pending:
-        arguments = ("--mode", "serial" if ranks == 0 else "tnt", "--out", out, "--cases", ",".join(pending))
+        arguments = ("--mode", "serial" if ranks == 0 else "tnt", "--out", out, "--cases", ",".join(pending),
+                     *(["--jit-compile"] if XLA else []))
         process = run_python(WORKER, *arguments, env=env, timeout=RUN_TIMEOUT_S) if ranks == 0 else \
             launch(ranks, WORKER, *arguments, env=env, timeout=RUN_TIMEOUT_S)
         runs.append(process)

@@ -32,8 +32,9 @@ class Step(abc.ABC):
     rank_local_logs = False
     # tnt.optimizers: the gradient sum of a custom training loop (`sum_loop_gradients`).
     custom_training_loops = False
-    # XLA may compile the step with its collectives inside (False: tnt.Model turns jit_compile off
-    # on several ranks, as XLA cannot compile a host-side allreduce).
+    # XLA may compile the step with its collectives inside. False: XLA cannot compile the host-side
+    # collectives, so on several ranks Keras' function stays uncompiled and the step has XLA
+    # compile the parts between its collectives (`compile_between_collectives`).
     collectives_inside_xla = True
     # The widest float the step computes in: synchronized BatchNormalization's moment sums and the
     # metric sums are formed in it (backends/moments.py, metric_sums.py).
@@ -149,6 +150,13 @@ class Step(abc.ABC):
         (backends/accumulation.py): those whose micro-steps the step does not sum. Default: every
         accumulating optimizer the model holds."""
         return [o for o in self.optimizers() if accumulation.steps(o)]
+
+    def compile_between_collectives(self, xla):
+        """Where the collectives cannot sit inside XLA: whether (`xla`, Keras' resolved
+        `jit_compile`) XLA compiles the step's computation between its collectives."""
+        if xla:
+            raise NotImplementedError(f"XLA between the collectives is not supported on Keras' "
+                                      f"{self.backend_name} backend.")
 
     @abc.abstractmethod
     def wrap_function(self, kind, function):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import enum
-import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,8 +31,6 @@ from tarantella.model.loops import Loops
 from tarantella.runtime import events, world
 
 __all__ = ["Model", "ParallelStrategy", "Sequential"]
-
-logger = logging.getLogger("tarantella")
 
 
 # Public names that answer as the wrapped model's, although keras.Model defines them on the
@@ -123,10 +120,13 @@ class Model(Loops, Inputs, keras.Model):
         self.gradient_wire = fusion.gradient_wire(wire, variable_dtypes)
         self._step = backends.for_model(self._comm, world.gradient_reducer(self.gradient_wire), model)
         # On TensorFlow a host-side allreduce cannot live inside an XLA cluster; JAX's jitted step
-        # reaches it through callbacks.
+        # reaches it through callbacks. There Keras' function stays uncompiled, and the step has
+        # XLA compile what lies between its collectives, where the wrapped model (Keras' own
+        # resolution of "auto") would be compiled.
         self._host_allreduce_outside_xla = self._distributed and not self._step.collectives_inside_xla
+        self._making_keras_functions = False
         if self._host_allreduce_outside_xla:
-            self._jit_compile = False
+            self._compile_between_collectives()
         self.built = model.built
 
     # -- the wrapped model -------------------------------------------------------
@@ -326,28 +326,49 @@ class Model(Loops, Inputs, keras.Model):
 
         Args:
             *args: the wrapped model's compile arguments (`optimizer`, `loss`, `metrics`, ...).
-            jit_compile: as in Keras; with 2 or more ranks on TensorFlow the step runs without XLA,
-                which cannot compile the host-side gradient allreduce.
+            jit_compile: as in Keras. With 2 or more ranks on TensorFlow, XLA compiles the step
+                between its collectives (the forward and backward pass, then the update), which
+                it cannot compile; the gradients then leave once backprop has ended.
             **kwargs: the wrapped model's compile arguments, by name.
 
         Raises:
             ValueError: the optimizer is Ftrl, which tarantella does not support.
         """
-        if self._host_allreduce_outside_xla and jit_compile not in ("auto", False, None):
-            logger.warning("jit_compile=True is ignored with %d ranks: XLA cannot compile the host-side "
-                           "gradient allreduce, so the step runs without XLA.", self._comm.size)
-        if self._host_allreduce_outside_xla:
-            jit_compile = False  # Keras would pick XLA by itself on a GPU
         if checks.overrides(self._keras_model, "compile"):
             self._keras_model.compile(*args, **kwargs)
         else:
             self._keras_model.compile(*args, jit_compile=jit_compile, **kwargs)
         for optimizer in self._step.optimizers():
             checks.refuse_ftrl(optimizer)
-        keras.Model.compile(self, optimizer=self._keras_model.optimizer, jit_compile=jit_compile,
+        keras.Model.compile(self, optimizer=self._keras_model.optimizer, jit_compile=self._keras_model.jit_compile,
                             run_eagerly=getattr(self._keras_model, "run_eagerly", False),
                             steps_per_execution=getattr(self._keras_model, "steps_per_execution", 1))
+        if self._host_allreduce_outside_xla:
+            self._compile_between_collectives()
         self._weights_synced = False
+
+    @property
+    def jit_compile(self) -> bool:
+        """Whether XLA compiles the steps, as in Keras. With several ranks on TensorFlow, XLA
+        compiles each step between its collectives where the wrapped model says so, and Keras'
+        own functions, which it makes while reading this, stay uncompiled."""
+        if self.__dict__.get("_host_allreduce_outside_xla") and not self._making_keras_functions:
+            return self._keras_model.jit_compile
+        return keras.Model.jit_compile.fget(self)
+
+    @jit_compile.setter
+    def jit_compile(self, value: bool | str) -> None:
+        if self.__dict__.get("_host_allreduce_outside_xla"):
+            self._keras_model.jit_compile = value  # Keras' check: a model XLA cannot compile keeps False
+            self._compile_between_collectives()
+        else:
+            keras.Model.jit_compile.fset(self, value)
+
+    def _compile_between_collectives(self):
+        """XLA compiles the step between its collectives as the wrapped model's jit_compile says;
+        Keras' own functions, which would put the collectives inside XLA, stay uncompiled."""
+        self._step.compile_between_collectives(self._keras_model.jit_compile)
+        keras.Model.jit_compile.fset(self, False)
 
     # -- Keras' build hooks: where Keras has made its iterator over inputs it batches itself ---------
 
@@ -366,7 +387,11 @@ class Model(Loops, Inputs, keras.Model):
         """Keras' `kind` of function, wrapped as the backend's step needs and, with a timeline, timed."""
         attribute = BatchSources.FUNCTIONS[kind]
         new = getattr(self, attribute) is None or force
-        make(force)
+        self._making_keras_functions = True
+        try:
+            make(force)
+        finally:
+            self._making_keras_functions = False
         if new and self._distributed:
             setattr(self, attribute, self._step.wrap_function(kind, getattr(self, attribute)))
         if new and timed_as:

@@ -282,7 +282,13 @@ def predict_uncompiled_dict_outputs():
 def xla_requested():
     model = compiled(jit_compile=True)
     history = model.fit(dataset(), epochs=1, verbose=0)
-    report(f"jit_compile {model.jit_compile} loss {history.history['loss'][0]:.6f}")
+    later = compiled()
+    later.jit_compile = True
+    after_setting = later.jit_compile
+    later.fit(dataset(), epochs=1, verbose=0)
+    later.jit_compile = False
+    report(f"jit_compile {model.jit_compile} loss {history.history['loss'][0]:.6f} set after compile: "
+           f"{after_setting}, then {later.jit_compile}")
 
 
 def on_batch_methods():

@@ -143,7 +143,7 @@ def count_gradient_rounds():
 GRADIENT_ROUNDS = [0]  # the rounds this rank collected so far (tnt mode)
 
 
-def run_case(name, mode, out_dir, verbose=0):
+def run_case(name, mode, out_dir, verbose=0, jit_compile="auto"):
     import keras
     import numpy as np
     import tensorflow as tf
@@ -155,7 +155,8 @@ def run_case(name, mode, out_dir, verbose=0):
         import tarantella as tnt
         model = tnt.Model(model)
     model.compile({**OPTIMIZERS, **OTHER_OPTIMIZERS}[optimizer_name](keras), "sparse_categorical_crossentropy",
-                  metrics=["sparse_categorical_accuracy"], **(compile_args[0] if compile_args else {}))
+                  metrics=["sparse_categorical_accuracy"], jit_compile=jit_compile,
+                  **(compile_args[0] if compile_args else {}))
     data = lambda: make_data(np, tf, model_name, batch_size, shuffle_seed, map_before_batch)
     rounds_before = GRADIENT_ROUNDS[0] if mode == "tnt" else 0
     arrays = {}
@@ -184,12 +185,15 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--verbose", type=int, default=0, help="fit's verbose: 2 prints a line per epoch")
+    parser.add_argument("--jit-compile", action="store_true", help="compile(jit_compile=True): XLA, serially too")
     args = parser.parse_args()
     if args.mode == "tnt":
         import tarantella  # noqa: F401  (before TensorFlow runs, as users should)
         count_gradient_rounds()
+        if os.environ.get("TF_DUMP_GRAPH_PREFIX"):  # TensorFlow reads it at each dump: a folder per rank
+            os.environ["TF_DUMP_GRAPH_PREFIX"] += f"/rank{tarantella.get_rank()}"
     for name in args.cases.split(","):
-        run_case(name, args.mode, args.out, args.verbose)
+        run_case(name, args.mode, args.out, args.verbose, True if args.jit_compile else "auto")
 
 
 if __name__ == "__main__":

@@ -1088,7 +1088,7 @@ def on_batch_methods(model, spec, arrays, np, tf):
     flatten_into(arrays, "predictions", model.predict_on_batch(spec["predict"]), np, tf)
 
 
-def run_case(name, mode, out_dir):
+def run_case(name, mode, out_dir, jit_compile=False):
     import keras
     import numpy as np
     import tensorflow as tf
@@ -1108,6 +1108,8 @@ def run_case(name, mode, out_dir):
             import tarantella as tnt
             model = tnt.Model(model)
         model.compile(**spec["compile"])
+        if jit_compile:  # as a Keras user turns XLA on after a compile of their own signature
+            model.jit_compile = True
         if case.on_batch:
             on_batch_methods(model, spec, arrays, np, tf)
         else:
@@ -1165,6 +1167,7 @@ def main():
     parser.add_argument("--mode", choices=["serial", "tnt"], required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--jit-compile", action="store_true", help="XLA: model.jit_compile = True after compile")
     parser.add_argument("--threads", type=int, default=0,
                         help="TensorFlow's intra-op threads (0: its default); another count measures the "
                              "rounding noise of serial Keras itself")
@@ -1194,7 +1197,7 @@ def main():
         watchdog.daemon = True
         watchdog.start()
         try:
-            arrays = run_case(name, args.mode, args.out)
+            arrays = run_case(name, args.mode, args.out, args.jit_compile)
             write_atomically(result_path(args.out, name, rank, "npz"), lambda s: np.savez(s, **{
                 key: stored_exactly(np.asarray(value), np) for key, value in arrays.items()}))
         except Exception as error:  # recorded per case; the test reports it

@@ -24,6 +24,11 @@ step is traced, it makes four things global:
    Logs that read a metric's result are recomputed from the combined state; any other
    number the step returns becomes its share-weighted sum over ranks.
 
+With XLA (`jit_compile=True`, or Keras' "auto" on a GPU) the step's ops are traced inside an
+XLA JIT scope: TensorFlow clusters what XLA can compile (the forward and backward pass, the
+weighting, the update) and leaves the collectives, which XLA cannot compile, between the
+clusters. A bucket then leaves when the cluster that computes it ends, not as backprop reaches it.
+
 Every collective of a step is a stateful op, so TensorFlow runs them in program order,
 the same on every rank. The step's first collective (the allreduce of sizes that opens it,
 or the gradient round) also carries the ranks' agreement on the step's whole sequence of
@@ -33,6 +38,7 @@ one zero row, because TensorFlow cannot run every layer on zero rows, and contri
 nothing.
 """
 
+import contextlib
 import functools
 
 import keras
@@ -113,6 +119,15 @@ class TensorFlowStep(Step):
         self._expected_global_samples = tf.Variable(0.0, dtype=tf.float64, trainable=False,
                                                     name="tnt_expected_global_samples")
         self._unknown_length_specs = {}  # kind of step -> spec of its global batches (expect_unknown_length)
+        self._xla = False
+
+    def compile_between_collectives(self, xla):
+        self._xla = bool(xla)
+        if self._xla:
+            # Grappler's remapper would fuse layers' ops (MatMul, BiasAdd and ReLU into _FusedMatMul)
+            # before XLA clusters the graph, into ops XLA cannot compile: the forward pass would run
+            # outside XLA. It leaves the fusing to XLA where XLA compiles everything (jit_compile).
+            tf.config.optimizer.set_experimental_options({"remapping": False})
 
     def train(self, data):
         keras_own_step = type(self._model).train_step is keras.Model.train_step
@@ -125,7 +140,8 @@ class TensorFlowStep(Step):
     def predict(self, data):
         """Every rank gets every prediction, in the order of the global batch."""
         data, samples = _at_least_one_row(data)
-        y_pred = self._model.predict_step(data)
+        with tf.xla.experimental.jit_scope() if self._xla else contextlib.nullcontext():
+            y_pred = self._model.predict_step(data)
         leaves = [leaf[:samples] for leaf in tf.nest.flatten(y_pred)]
         gathered = tf.numpy_function(self._gather_predictions, leaves, [t.dtype for t in leaves],
                                      stateful=True, name="tnt_gather_predictions")
@@ -186,7 +202,8 @@ class TensorFlowStep(Step):
         sequence = self._sequence = [f"a {kind} step"]
         try:
             step = self._step = StepState(samples, has_samples, self, loss_optimizer, sequence)
-            return self._traced_step(step, step_function, data)
+            with tf.xla.experimental.jit_scope() if self._xla else contextlib.nullcontext():
+                return self._traced_step(step, step_function, data)
         finally:
             self._sequence = self._step = None
 
