@@ -106,6 +106,18 @@ def test_a_rank_slowed_in_its_input_pipeline_is_named(tmp_path):
     assert "What would help: rank 1's input pipeline" in process.stdout, process.stdout
 
 
+def test_a_forward_pass_compiled_by_xla_counts_as_compute_not_as_input_wait(tmp_path):
+    """With XLA the forward pass is one operation, which TensorFlow's one inter-op thread may run
+    before it takes the batch's arrival time; the step then waits for that timestamp."""
+    process = launch(2, WORKERS / "timeline.py", "xla-convnet", options=["--timeline", str(tmp_path / "t.json")],
+                     timeout=300)
+    assert_ok(process)
+    report = process.stdout[process.stdout.index("tarantella timeline:"):].splitlines()
+    for row in (line.split() for line in report[2:4]):
+        step_ms, compute_ms, input_ms = float(row[1]), float(row[2]), float(row[4])
+        assert input_ms < 0.05 * step_ms and compute_ms > 0.5 * step_ms, report
+
+
 def test_the_launcher_hands_the_timeline_to_every_rank(tmp_path):
     import subprocess
     command = launcher_command() + ["-n", "2", "--timeline", "trace.json", "--dry-run", "--", "train.py"]

@@ -5,6 +5,8 @@
                                 model's gradient bytes and step counts to FOLDER/facts.json
     timeline.py straggler       each rank its own dataset (tnt_distribute_dataset=False); rank 1's
                                 input map sleeps 60 ms per batch
+    timeline.py xla-convnet     a convnet compiled with XLA, fit on arrays in memory: its input
+                                arrives at once, its forward pass is one XLA computation
 """
 
 import json
@@ -84,8 +86,18 @@ def straggler():
     model.fit(dataset, epochs=1, verbose=0, tnt_distribute_dataset=False)
 
 
+def xla_convnet():
+    keras.utils.set_random_seed(0)
+    model = tnt.Model(keras.Sequential([
+        keras.Input((32, 32, 3)), keras.layers.Conv2D(32, 3, activation="relu"),
+        keras.layers.Conv2D(64, 3, activation="relu"), keras.layers.MaxPooling2D(), keras.layers.Flatten(),
+        keras.layers.Dense(10)]))
+    model.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=True)
+    rng = np.random.default_rng(1)
+    x, y = rng.random((64 * FIT_STEPS, 32, 32, 3), np.float32), rng.integers(0, 10, 64 * FIT_STEPS)
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "steady":
-        steady(sys.argv[2])
-    else:
-        straggler()
+    {"steady": lambda: steady(sys.argv[2]), "straggler": straggler, "xla-convnet": xla_convnet}[sys.argv[1]]()

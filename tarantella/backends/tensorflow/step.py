@@ -120,6 +120,7 @@ class TensorFlowStep(Step):
                                                     name="tnt_expected_global_samples")
         self._unknown_length_specs = {}  # kind of step -> spec of its global batches (expect_unknown_length)
         self._xla = False
+        self._arrived = None  # while a step is traced: the timestamp of its batch's arrival (or 0)
 
     def compile_between_collectives(self, xla):
         self._xla = bool(xla)
@@ -139,8 +140,8 @@ class TensorFlowStep(Step):
 
     def predict(self, data):
         """Every rank gets every prediction, in the order of the global batch."""
-        data, samples = _at_least_one_row(data)
-        with tf.xla.experimental.jit_scope() if self._xla else contextlib.nullcontext():
+        data, samples = self._batch_outside_xla(data)
+        with self._inside_xla():
             y_pred = self._model.predict_step(data)
         leaves = [leaf[:samples] for leaf in tf.nest.flatten(y_pred)]
         gathered = tf.numpy_function(self._gather_predictions, leaves, [t.dtype for t in leaves],
@@ -197,15 +198,28 @@ class TensorFlowStep(Step):
     def _run(self, kind, step_function, data, loss_optimizer=None):
         """`loss_optimizer`: the optimizer whose `scale_loss` the step differentiates (Keras' own
         train_step), or None."""
-        data, samples = _at_least_one_row(data)
+        data, samples = self._batch_outside_xla(data)
+        data, self._arrived = _timestamped(data, samples)
         has_samples = samples > 0
         sequence = self._sequence = [f"a {kind} step"]
         try:
             step = self._step = StepState(samples, has_samples, self, loss_optimizer, sequence)
-            with tf.xla.experimental.jit_scope() if self._xla else contextlib.nullcontext():
+            with self._inside_xla():
                 return self._traced_step(step, step_function, data)
         finally:
-            self._sequence = self._step = None
+            self._sequence = self._step = self._arrived = None
+
+    def _inside_xla(self):
+        return tf.xla.experimental.jit_scope() if self._xla else contextlib.nullcontext()
+
+    def _batch_outside_xla(self, data):
+        """The batch and its sample count (`_at_least_one_row`). With XLA they are kept out of its
+        clusters, through which TensorFlow would otherwise let the count, and so the step's
+        opening and everything waiting for the batch, wait for the forward pass."""
+        if not self._xla:
+            return _at_least_one_row(data)
+        with tf.xla.experimental.jit_scope(compile_ops=False):
+            return _at_least_one_row(_identities(data))
 
     def _traced_step(self, step, step_function, data):
         metrics = _unique(self._model.metrics)
@@ -310,11 +324,9 @@ class TensorFlowStep(Step):
             return self._gradient_allreduce(grads, variables, contributes=contributes,
                                             step_sequence=self._sequence if sequence is None else sequence)
         step = self._step
-        with tf.control_dependencies([step.samples]):  # the batch's arrival, for the timeline
-            arrived = tf.timestamp() if events.observer is not None else tf.constant(0.0, tf.float64)
         reduced, global_samples = self._gradient_allreduce(
             grads, variables, contributes=contributes, step_sequence=self._sequence,
-            opening=(step.samples, loss_divisor, arrived))
+            opening=(step.samples, loss_divisor, self._arrived))
         step.global_samples = global_samples
         return reduced
 
@@ -340,6 +352,22 @@ def _keras_call_on_exhausted_data(model, kind, global_batch_spec):
         pass
     for variable, value in kept:
         variable.assign(value)
+
+
+def _timestamped(data, samples):
+    """The batch, and the time it arrived (its `samples` count known) for the timeline, or 0 without
+    one. The step's computation waits for the timestamp: with one inter-op thread TensorFlow may
+    otherwise run the forward pass first (with XLA, all of it at once) and take the time after it."""
+    if events.observer is None:
+        return data, tf.constant(0.0, tf.float64)
+    with tf.control_dependencies([samples]):
+        arrived = tf.timestamp()
+    with tf.control_dependencies([arrived]):
+        return _identities(data), arrived
+
+
+def _identities(data):
+    return tf.nest.map_structure(lambda leaf: tf.identity(leaf) if isinstance(leaf, tf.Tensor) else leaf, data)
 
 
 def _at_least_one_row(data):
