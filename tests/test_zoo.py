@@ -123,10 +123,10 @@ def result(out, case, rank):
 # Each backend's quick slice. TensorFlow's, the default run: one case of each kind of failure the
 # zoo has found, within the suite's time budget (masks and layer-owned metrics:
 # tests/test_real_models.py on 2 and 3 ranks; keras.applications: ResNet-50 in
-# tests/test_tutorial_examples.py, MobileNetV3 in the whole zoo).
+# tests/test_tutorial_examples.py, MobileNetV3 in the whole zoo; a Transformer: the tutorial's in
+# tests/test_tutorial_examples.py, the zoo's encoder classifier in torch's slice and the whole zoo).
 DEFAULT_CASES = {
     "tensorflow": (
-        "transformer-encoder-classifier",
         "recommender-subclassed-per-sample-dot", "conv2d-empty-micro-batch",
         "on-batch-methods", "global-clipnorm-clips-the-sum", "optimizer-adam-gradient-accumulation",
         "optimizer-schedule-free-adamw", "mixed-float16-loss-scale", "textvectorization-into-embedding",
