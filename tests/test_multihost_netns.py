@@ -13,10 +13,9 @@ import subprocess
 import threading
 import time
 
-import numpy as np
 import pytest
 
-from conftest import WORKERS, assert_ok, launcher_command, quiet_env, run_python
+from conftest import WORKERS, assert_ok, assert_ranks_like_serial, launcher_command, quiet_env, run_python
 from netns_hosts import namespace_hosts, network_namespace_of
 from tarantella.backends.fusion import automatic_threshold_bytes
 
@@ -30,11 +29,6 @@ def hosts(tmp_path_factory):
     with namespace_hosts(HOSTS, tmp_path_factory.mktemp("hosts")) as made:
         yield {"hostfile": made.hostfile, "namespaces": made.namespaces, "made": made,
                "env": {"HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": str(made.ssh)}}
-
-
-def load(path):
-    with np.load(path) as stored:
-        return {key: stored[key] for key in stored.files}
 
 
 @pytest.mark.parametrize("backend", [
@@ -80,20 +74,8 @@ def test_two_ranks_on_each_of_two_namespace_hosts_train_like_serial_keras_summin
     assert chosen.startswith("automatic, for 4 ranks on a link measured at ")
     assert len(set(namespaces)) == 2 and own not in namespaces, "the ranks run in the two hosts' namespaces"
     for case in CASES.split(","):
-        _assert_like_serial(serial, distributed, case, 4, backend)
+        assert_ranks_like_serial(serial, distributed, [case], 4, backend)
 
-
-def _assert_like_serial(serial, distributed, case, ranks, backend):
-    expected = load(serial / f"{case}.rank0.npz")
-    results = [load(distributed / f"{case}.rank{rank}.npz") for rank in range(ranks)]
-    for rank, result in enumerate(results):
-        assert sorted(result) == sorted(expected)
-        for key in expected:
-            tolerance = {"atol": 1e-5} if key.startswith("weight_") else {"rtol": 1e-5, "atol": 1e-6}
-            np.testing.assert_allclose(result[key], expected[key], **tolerance,
-                                       err_msg=f"{backend}, {case}, rank {rank}, {key}")
-            if key.startswith("weight_"):
-                np.testing.assert_array_equal(result[key], results[0][key], err_msg=f"{case}, rank {rank}, {key}")
 
 
 def _link_and_threshold(line):
@@ -125,7 +107,7 @@ def test_the_automatic_fusion_threshold_follows_the_link_the_job_measured(hosts,
     distributed.mkdir()
     assert_ok(run_python(WORKERS / "train_cases.py", "--mode", "serial", "--out", serial, "--cases", LONE_RANK_CASE))
     unshaped = measured(LONE_RANK_CASE)
-    _assert_like_serial(serial, distributed, LONE_RANK_CASE, 2, "tensorflow")
+    assert_ranks_like_serial(serial, distributed, [LONE_RANK_CASE], 2, "tensorflow")
     hosts["made"].shape(200e6)
     try:
         shaped = measured()
